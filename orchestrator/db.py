@@ -1,0 +1,110 @@
+"""Engines, transactions retried by SQLSTATE, and the one place database errors are mapped."""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import event, exc
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+
+from .errors import DatabaseUnavailable, InvalidRequest, StorageError
+
+__all__ = ["create_engine", "map_db_error", "normalise_url", "run_in_transaction"]
+
+T = TypeVar("T")
+
+# Serialization failure and deadlock: the transaction did nothing and may simply run again.
+RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
+_SQLITE_BUSY = {sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED}
+MAX_TRANSACTION_ATTEMPTS = 8
+
+
+def normalise_url(url: str | URL) -> URL:
+    try:
+        parsed = make_url(url)
+    except exc.ArgumentError as err:
+        raise InvalidRequest(f"not a database URL: {url!s}") from err
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.get_backend_name() not in ("postgresql", "sqlite"):
+        raise InvalidRequest(f"unsupported database {parsed.get_backend_name()!r}")
+    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
+        # Many threads and processes share the store; an in-memory database cannot.
+        raise InvalidRequest("SQLite needs a file path, e.g. sqlite:///payorch.db")
+    return parsed
+
+
+def create_engine(url: str | URL, **kwargs: Any) -> Engine:
+    """An engine configured for payorch's concurrency on PostgreSQL or SQLite."""
+    parsed = normalise_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        kwargs.setdefault("connect_args", {"check_same_thread": False, "timeout": 30})
+        kwargs.setdefault("pool_size", 8)
+        kwargs.setdefault("max_overflow", 32)
+        kwargs.setdefault("pool_timeout", 120)
+        engine = sa.create_engine(parsed, **kwargs)
+        _configure_sqlite(engine)
+        return engine
+    kwargs.setdefault("pool_size", 10)
+    kwargs.setdefault("max_overflow", 40)
+    kwargs.setdefault("pool_timeout", 60)
+    kwargs.setdefault("pool_pre_ping", True)
+    return sa.create_engine(parsed, **kwargs)
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Let SQLAlchemy's "begin" event issue BEGIN IMMEDIATE: a deferred transaction that
+        # later upgrades to a write lock can fail with SQLITE_BUSY without waiting.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _is_retryable(err: exc.DBAPIError) -> bool:
+    orig = err.orig
+    sqlstate = getattr(orig, "sqlstate", None)
+    if sqlstate in RETRYABLE_SQLSTATES:
+        return True
+    return isinstance(orig, sqlite3.OperationalError) and (
+        getattr(orig, "sqlite_errorcode", None) in _SQLITE_BUSY
+    )
+
+
+def map_db_error(err: exc.SQLAlchemyError) -> StorageError:
+    if isinstance(err, exc.DBAPIError) and err.connection_invalidated:
+        return DatabaseUnavailable(f"database connection lost: {err.orig}")
+    if isinstance(err, exc.OperationalError):
+        return DatabaseUnavailable(f"database unavailable: {err.orig}")
+    if isinstance(err, exc.TimeoutError):
+        return DatabaseUnavailable(f"no database connection available: {err}")
+    return StorageError(f"database error: {getattr(err, 'orig', err)}")
+
+
+def run_in_transaction(engine: Engine, fn: Callable[[Connection], T]) -> T:
+    """Run ``fn`` in one transaction, again from the start on serialization failure/deadlock."""
+    for attempt in range(MAX_TRANSACTION_ATTEMPTS):
+        try:
+            with engine.begin() as conn:
+                return fn(conn)
+        except exc.DBAPIError as err:
+            if _is_retryable(err) and attempt + 1 < MAX_TRANSACTION_ATTEMPTS:
+                time.sleep(random.uniform(0, 0.01 * 2**attempt))  # noqa: S311 - jitter only
+                continue
+            raise map_db_error(err) from err
+        except exc.SQLAlchemyError as err:
+            raise map_db_error(err) from err
+    raise StorageError("transaction retries exhausted")  # pragma: no cover - loop returns/raises

@@ -1,0 +1,220 @@
+"""Operation types: the request model, the effect fields that make the fingerprint,
+the sensitive fields that are never stored, and the retention window.
+
+The embedding app registers its own types; four money movements come built in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
+from pydantic_extra_types.currency_code import ISO4217
+
+from .core import fingerprint, validate_idempotency_key, validate_operation_name, validate_tenant
+from .errors import ConfigurationError, RequestValidationFailed, UnknownOperationType
+from .records import NewOperation
+
+__all__ = [
+    "DEFAULT_RETENTION",
+    "MONEY_RETENTION",
+    "REDACTED",
+    "Currency",
+    "MinorUnits",
+    "OperationType",
+    "PaymentCapture",
+    "PaymentCreate",
+    "Payout",
+    "Prepared",
+    "Refund",
+    "Registry",
+    "default_registry",
+]
+
+DEFAULT_RETENTION = timedelta(hours=24)
+# Money movement keeps its outcome longer: a client retrying days later must still get the
+# first answer rather than a second charge.
+MONEY_RETENTION = timedelta(days=30)
+REDACTED = "[redacted]"
+
+# Integer minor units only: Strict refuses 10.5 and also 10.0 (a float in disguise).
+MinorUnits = Annotated[int, Strict(), Field(ge=0, le=10**15)]
+Currency = ISO4217
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PaymentCreate(_Request):
+    amount: Annotated[int, Strict(), Field(gt=0, le=10**15)]
+    currency: Currency
+    customer: str | None = None
+    payment_method: str | None = None
+    capture_method: Literal["automatic", "manual"] = "automatic"
+    description: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class PaymentCapture(_Request):
+    payment_intent: str
+    amount_to_capture: MinorUnits | None = None
+
+
+class Refund(_Request):
+    payment_intent: str
+    amount: Annotated[int, Strict(), Field(gt=0, le=10**15)] | None = None
+    currency: Currency | None = None
+    reason: str | None = None
+
+
+class Payout(_Request):
+    amount: Annotated[int, Strict(), Field(gt=0, le=10**15)]
+    currency: Currency
+    destination: str
+    description: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class OperationType:
+    """How payorch treats one kind of operation."""
+
+    name: str
+    model: type[BaseModel]
+    effect_fields: tuple[str, ...]
+    provider: str | None = None  # default provider for this type
+    sensitive_fields: tuple[str, ...] = ()
+    retention: timedelta = DEFAULT_RETENTION
+
+    def __post_init__(self) -> None:
+        validate_operation_name(self.name)
+        fields = set(self.model.model_fields)
+        missing = [f for f in (*self.effect_fields, *self.sensitive_fields) if f not in fields]
+        if missing:
+            raise ConfigurationError(f"{self.name}: {missing} are not fields of {self.model}")
+        if not self.effect_fields:
+            raise ConfigurationError(f"{self.name}: at least one effect field is needed")
+        if self.retention <= timedelta(0):
+            raise ConfigurationError(f"{self.name}: retention must be positive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prepared:
+    """A validated request: what to claim and what to send."""
+
+    new: NewOperation
+    payload: Mapping[str, Any]  # full validated request (sensitive fields included)
+    effect: Mapping[str, Any]
+    type: OperationType
+
+
+@dataclass
+class Registry:
+    types: dict[str, OperationType] = field(default_factory=dict)
+
+    def register(self, op_type: OperationType, *, replace: bool = False) -> None:
+        if op_type.name in self.types and not replace:
+            raise ConfigurationError(f"operation {op_type.name!r} is already registered")
+        self.types[op_type.name] = op_type
+
+    def get(self, name: str) -> OperationType:
+        validate_operation_name(name)
+        try:
+            return self.types[name]
+        except KeyError:
+            raise UnknownOperationType(f"operation {name!r} is not registered") from None
+
+    def names(self) -> Iterable[str]:
+        return sorted(self.types)
+
+    def prepare(
+        self,
+        *,
+        tenant_id: str,
+        operation: str,
+        idempotency_key: str,
+        request: Mapping[str, Any] | BaseModel,
+        provider: str | None = None,
+    ) -> Prepared:
+        """Validate everything before anything is written: a refusal here reserves nothing."""
+        validate_tenant(tenant_id)
+        validate_idempotency_key(idempotency_key)
+        op_type = self.get(operation)
+        provider_name = provider or op_type.provider
+        if not provider_name:
+            raise ConfigurationError(f"no provider given and none set for {operation!r}")
+        try:
+            model = (
+                request
+                if isinstance(request, op_type.model)
+                else op_type.model.model_validate(
+                    request.model_dump() if isinstance(request, BaseModel) else request
+                )
+            )
+        except ValidationError as exc:
+            errors = [
+                {"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()
+            ]
+            first = errors[0]
+            where = ".".join(str(p) for p in first["loc"]) or "request"
+            raise RequestValidationFailed(
+                f"{operation}: {where}: {first['msg']}", errors=errors
+            ) from None
+        data = model.model_dump(mode="json")
+        effect = {name: data.get(name) for name in op_type.effect_fields}
+        fp = fingerprint(effect)
+        stored = {k: (REDACTED if k in op_type.sensitive_fields else v) for k, v in data.items()}
+        amount = data.get("amount")
+        currency = data.get("currency")
+        new = NewOperation(
+            tenant_id=tenant_id,
+            operation=operation,
+            idempotency_key=idempotency_key,
+            fingerprint=fp,
+            provider=provider_name,
+            request=stored,
+            amount=amount if isinstance(amount, int) else None,
+            currency=currency if isinstance(currency, str) else None,
+            retention=op_type.retention,
+        )
+        return Prepared(new=new, payload=data, effect=effect, type=op_type)
+
+
+def default_registry(provider: str | None = None) -> Registry:
+    """The built-in money movements, all on ``provider`` unless a call names another."""
+    reg = Registry()
+    for op_type in (
+        OperationType(
+            name="payment.create",
+            model=PaymentCreate,
+            effect_fields=("amount", "currency", "customer", "payment_method", "capture_method"),
+            provider=provider,
+            retention=MONEY_RETENTION,
+        ),
+        OperationType(
+            name="payment.capture",
+            model=PaymentCapture,
+            effect_fields=("payment_intent", "amount_to_capture"),
+            provider=provider,
+            retention=MONEY_RETENTION,
+        ),
+        OperationType(
+            name="refund.create",
+            model=Refund,
+            effect_fields=("payment_intent", "amount", "currency"),
+            provider=provider,
+            retention=MONEY_RETENTION,
+        ),
+        OperationType(
+            name="payout.create",
+            model=Payout,
+            effect_fields=("amount", "currency", "destination"),
+            provider=provider,
+            retention=MONEY_RETENTION,
+        ),
+    ):
+        reg.register(op_type)
+    return reg

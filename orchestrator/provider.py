@@ -1,0 +1,201 @@
+"""The provider contract: what an adapter in ``providers/`` implements.
+
+An adapter submits an operation with our downstream idempotency key, queries its status,
+and parses signed webhooks. Every answer is classified into one :class:`Answer` kind, so the
+executor and the reconciler never look at HTTP details. httpx errors are mapped once, here,
+by :func:`answer_from_transport_error` and :func:`answer_from_http_status`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Protocol, runtime_checkable
+
+import httpx
+
+__all__ = [
+    "RAW_EVIDENCE_LIMIT",
+    "Answer",
+    "AnswerKind",
+    "Provider",
+    "StatusQuery",
+    "SubmitRequest",
+    "WebhookEvent",
+    "answer_from_http_status",
+    "answer_from_transport_error",
+    "bounded_raw",
+    "call_budget",
+    "parse_retry_after",
+]
+
+RAW_EVIDENCE_LIMIT = 4096  # bytes of a raw provider body kept as evidence
+
+
+class AnswerKind(enum.StrEnum):
+    SUCCEEDED = "succeeded"
+    DECLINED = "declined"  # final: the provider refused, no money moved
+    PENDING = "pending"  # accepted, not settled yet; ask again later
+    AMBIGUOUS = "ambiguous"  # possibly sent, no usable answer
+    NOT_SENT = "not_sent"  # certainly not sent (connect error, pool time-out, 429)
+    NOT_FOUND = "not_found"  # status query only: the provider knows nothing (yet)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Answer:
+    """One classified provider answer, with the evidence that justifies it."""
+
+    kind: AnswerKind
+    provider_reference: str | None = None
+    status_code: int | None = None
+    retry_after: float | None = None  # seconds; for NOT_SENT and PENDING
+    code: str | None = None  # provider's error / decline code, or the exception name
+    message: str | None = None
+    body: Mapping[str, Any] | None = None  # parsed JSON body, if any
+    raw: str | None = None  # raw body, truncated to RAW_EVIDENCE_LIMIT
+
+    @property
+    def possibly_sent(self) -> bool:
+        return self.kind is not AnswerKind.NOT_SENT
+
+    def evidence(self) -> dict[str, Any]:
+        """A JSON-able record of this answer for the event log."""
+        out: dict[str, Any] = {"kind": self.kind.value, "possibly_sent": self.possibly_sent}
+        for name in ("provider_reference", "status_code", "retry_after", "code", "message"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        if self.body is not None:
+            out["body"] = dict(self.body)
+        elif self.raw is not None:
+            out["raw"] = self.raw
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubmitRequest:
+    tenant_id: str
+    operation: str  # e.g. "payment.create"
+    operation_id: str
+    downstream_key: str  # sent as the provider's idempotency key, identical on every attempt
+    payload: Mapping[str, Any]  # the validated request, sensitive fields included
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatusQuery:
+    tenant_id: str
+    operation: str
+    operation_id: str
+    downstream_key: str
+    provider_reference: str | None
+    payload: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WebhookEvent:
+    """A verified provider event, reduced to what can move an operation."""
+
+    event_id: str
+    event_type: str
+    outcome: AnswerKind | None  # SUCCEEDED / DECLINED / PENDING, or None if irrelevant
+    provider_reference: str | None = None
+    downstream_key: str | None = None
+    operation_id: str | None = None
+    occurred_at: datetime | None = None
+    body: Mapping[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Provider(Protocol):
+    """What payorch needs from a payment provider adapter."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def idempotency_window(self) -> timedelta | None:
+        """How long the provider honours our idempotency key; None: it does not."""
+        ...
+
+    @property
+    def max_call_duration(self) -> timedelta:
+        """Worst case for one HTTP call under the adapter's time-outs (lease sizing)."""
+        ...
+
+    def submit(self, request: SubmitRequest) -> Answer: ...
+
+    def query_status(self, query: StatusQuery) -> Answer: ...
+
+    def parse_webhook(self, headers: Mapping[str, str], body: bytes) -> WebhookEvent:
+        """Verify the signature and parse; raise WebhookRejected subclasses on bad input."""
+        ...
+
+
+def call_budget(timeout: httpx.Timeout) -> timedelta:
+    """Upper bound of one call under ``timeout``: every phase may use its whole budget."""
+    phases = (timeout.connect, timeout.write, timeout.read, timeout.pool)
+    if any(p is None for p in phases):
+        raise ValueError("every httpx time-out phase must be set explicitly")
+    return timedelta(seconds=sum(float(p) for p in phases if p is not None))
+
+
+def bounded_raw(text: str | bytes | None) -> str | None:
+    if text is None:
+        return None
+    if isinstance(text, bytes):
+        text = text[:RAW_EVIDENCE_LIMIT].decode("utf-8", errors="replace")
+    return text[:RAW_EVIDENCE_LIMIT]
+
+
+def parse_retry_after(value: str | None, default: float = 1.0) -> float:
+    if value is None:
+        return default
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return default
+
+
+# Errors raised before a byte of the request could reach the provider.
+_NOT_SENT_ERRORS: tuple[type[Exception], ...] = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.PoolTimeout,
+    httpx.UnsupportedProtocol,
+    httpx.LocalProtocolError,
+)
+
+
+def answer_from_transport_error(exc: httpx.HTTPError) -> Answer:
+    """Map an httpx exception to NOT_SENT or AMBIGUOUS, the one place that decides it.
+
+    Connect errors and pool time-outs happen before the request is written. Write/read
+    time-outs, resets and protocol errors after connecting may follow a committed effect.
+    """
+    kind = AnswerKind.NOT_SENT if isinstance(exc, _NOT_SENT_ERRORS) else AnswerKind.AMBIGUOUS
+    return Answer(kind=kind, code=type(exc).__name__, message=str(exc) or type(exc).__name__)
+
+
+def answer_from_http_status(
+    status: int, *, retry_after: str | None = None, raw: str | bytes | None = None
+) -> Answer | None:
+    """Classify the statuses every provider shares; None means "adapter decides"."""
+    if status == 429:
+        return Answer(
+            kind=AnswerKind.NOT_SENT,
+            status_code=status,
+            retry_after=parse_retry_after(retry_after),
+            code="rate_limited",
+            raw=bounded_raw(raw),
+        )
+    if status >= 500:
+        # 5xx and gateway errors may follow a commit: never treat them as "not done".
+        return Answer(
+            kind=AnswerKind.AMBIGUOUS,
+            status_code=status,
+            code=f"http_{status}",
+            raw=bounded_raw(raw),
+        )
+    return None

@@ -1,0 +1,26 @@
+"""Configuration from the environment (``PAYORCH_*``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings"]
+
+
+class Settings(BaseSettings):
+    """Values an operator sets per deployment; code passes its own values explicitly."""
+
+    model_config = SettingsConfigDict(env_prefix="PAYORCH_", extra="ignore")
+
+    database_url: str = "sqlite:///payorch.db"
+    lease_seconds: float = Field(default=60.0, gt=0)
+    reconcile_interval_seconds: float = Field(default=5.0, gt=0)
+    reconcile_batch_size: int = Field(default=50, gt=0, le=1000)
+    not_found_grace_seconds: float = Field(default=60.0, ge=0)
+    max_checks: int = Field(default=20, gt=0)
+    max_unknown_age_seconds: float = Field(default=24 * 3600.0, gt=0)
+    sandbox_url: str = "http://127.0.0.1:8765"
+    sandbox_webhook_secret: str | None = None
+    stripe_api_key: str | None = None
+    stripe_webhook_secret: str | None = None

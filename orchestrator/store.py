@@ -1,0 +1,449 @@
+"""The durable store: claim, replay, fenced transitions and the append-only event log.
+
+Every write is one statement guarded by a constraint or a version:
+
+* the claim is ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` on the namespace key;
+* a transition is ``UPDATE ... WHERE version = :v RETURNING`` plus its event row, in one
+  transaction; a lost compare-and-set raises :class:`StaleVersion` and changes nothing.
+
+Times are the database's (``db_now``), so hosts with skewed clocks agree on leases.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import sqlalchemy as sa
+import uuid6
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import URL, Connection, Engine
+
+from .core import ACTIVE_STATES, State, check_transition, downstream_key
+from .db import create_engine, run_in_transaction
+from .errors import (
+    IdempotencyKeyExpired,
+    IdempotencyKeyReused,
+    OperationInProgress,
+    OperationNotFound,
+    StaleVersion,
+)
+from .records import ClaimResult, EventRecord, NewOperation, OperationRecord
+from .tables import db_now, db_now_plus, events, operations
+
+__all__ = ["NOTIFY_CHANNEL", "Store", "new_id"]
+
+NOTIFY_CHANNEL = "payorch_operations"
+_UNSET: Any = object()
+
+
+def new_id() -> str:
+    """A time-ordered UUID (v7): ids sort by creation, indexes stay append-mostly."""
+    return str(uuid6.uuid7())
+
+
+class Store:
+    """Operations and their events on PostgreSQL or SQLite."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.dialect = engine.dialect.name
+
+    @classmethod
+    def from_url(cls, url: str | URL, **engine_kwargs: Any) -> Store:
+        return cls(create_engine(url, **engine_kwargs))
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @property
+    def is_postgres(self) -> bool:
+        return self.dialect == "postgresql"
+
+    # -- claim ------------------------------------------------------------------------
+
+    def claim(
+        self,
+        new: NewOperation,
+        *,
+        owner: str,
+        lease: timedelta,
+        possibly_sent: bool = False,
+        wait: timedelta | None = None,
+    ) -> ClaimResult:
+        """Claim the namespace or return what already holds it.
+
+        New namespace: the operation row (``in_progress``, lease held by ``owner``, downstream
+        key) and its ``claimed`` event are committed before this returns. Existing namespace:
+        replay a terminal outcome, return an ``outcome_unknown`` one as it stands, refuse a
+        changed fingerprint, or report/wait for one in progress (``wait`` bounds the wait).
+        ``possibly_sent=True`` records, in the same commit, that the caller is about to send.
+        """
+        op_id = new_id()
+        lease_s = lease.total_seconds()
+
+        def txn(conn: Connection) -> tuple[OperationRecord, bool, float]:
+            values = {
+                "tenant_id": new.tenant_id,
+                "id": op_id,
+                "operation": new.operation,
+                "idempotency_key": new.idempotency_key,
+                "fingerprint": new.fingerprint,
+                "state": State.IN_PROGRESS.value,
+                "provider": new.provider,
+                "downstream_key": downstream_key(op_id),
+                "amount": new.amount,
+                "currency": new.currency,
+                "request": dict(new.request) if new.request is not None else None,
+                "retention_seconds": int(new.retention.total_seconds()),
+                "possibly_sent": possibly_sent,
+                "attempts": 1 if possibly_sent else 0,
+                "checks": 0,
+                "needs_attention": False,
+                "lease_owner": owner,
+                "lease_expires_at": db_now_plus(sa.literal(lease_s)),
+                "next_check_at": db_now_plus(sa.literal(lease_s)),
+                "version": 1,
+                "created_at": db_now(),
+                "updated_at": db_now(),
+            }
+            stmt = self._insert(operations).values(**values)
+            stmt = stmt.on_conflict_do_nothing(
+                index_elements=["tenant_id", "operation", "idempotency_key"]
+            ).returning(*operations.c)
+            row = conn.execute(stmt).mappings().first()
+            if row is not None:
+                record = OperationRecord.from_row(row)
+                self._add_event(
+                    conn,
+                    record,
+                    kind="claimed",
+                    actor=owner,
+                    from_state=None,
+                    to_state=State.IN_PROGRESS,
+                    detail={"idempotency_key": new.idempotency_key, "fingerprint": new.fingerprint},
+                )
+                return record, True, 0.0
+            found = (
+                conn.execute(
+                    sa.select(operations, db_now().label("_now")).where(
+                        operations.c.tenant_id == new.tenant_id,
+                        operations.c.operation == new.operation,
+                        operations.c.idempotency_key == new.idempotency_key,
+                    )
+                )
+                .mappings()
+                .one()
+            )
+            existing = OperationRecord.from_row(found)
+            remaining = 0.0
+            if existing.lease_expires_at is not None:
+                remaining = (existing.lease_expires_at - found["_now"]).total_seconds()
+            return existing, False, remaining
+
+        record, created, lease_remaining = run_in_transaction(self.engine, txn)
+        if created:
+            return ClaimResult(operation=record, created=True)
+        return self._existing(record, new, lease_remaining, wait)
+
+    def _existing(
+        self,
+        record: OperationRecord,
+        new: NewOperation,
+        lease_remaining: float,
+        wait: timedelta | None,
+    ) -> ClaimResult:
+        if record.reaped_at is not None:
+            raise IdempotencyKeyExpired(
+                f"idempotency key {new.idempotency_key!r} is past its retention window",
+                operation_id=record.id,
+            )
+        if record.fingerprint != new.fingerprint:
+            raise IdempotencyKeyReused(
+                f"idempotency key {new.idempotency_key!r} was first used with other effect "
+                "fields; nothing was executed",
+                operation_id=record.id,
+            )
+        if record.state is State.IN_PROGRESS and wait is not None and wait > timedelta(0):
+            record = self.wait_until_settled(record, wait)
+        if record.terminal:
+            return ClaimResult(operation=record, created=False, replayed=True)
+        if record.state is State.OUTCOME_UNKNOWN:
+            return ClaimResult(operation=record, created=False)
+        raise OperationInProgress(
+            f"operation {record.id} is in progress",
+            operation_id=record.id,
+            retry_after=max(1.0, round(lease_remaining, 1)),
+        )
+
+    # -- reads ------------------------------------------------------------------------
+
+    def get(self, tenant_id: str, operation_id: str) -> OperationRecord:
+        with self.engine.connect() as conn:
+            row = (
+                conn.execute(
+                    sa.select(operations).where(
+                        operations.c.tenant_id == tenant_id, operations.c.id == operation_id
+                    )
+                )
+                .mappings()
+                .first()
+            )
+        if row is None:
+            raise OperationNotFound(f"no operation {operation_id} for tenant {tenant_id}")
+        return OperationRecord.from_row(row)
+
+    def find(self, operation_id: str) -> OperationRecord:
+        """Look an operation up by id alone (operator tools; a cross-tenant read)."""
+        with self.engine.connect() as conn:
+            row = (
+                conn.execute(sa.select(operations).where(operations.c.id == operation_id))
+                .mappings()
+                .first()
+            )
+        if row is None:
+            raise OperationNotFound(f"no operation {operation_id}")
+        return OperationRecord.from_row(row)
+
+    def get_by_namespace(self, tenant_id: str, operation: str, key: str) -> OperationRecord:
+        with self.engine.connect() as conn:
+            row = (
+                conn.execute(
+                    sa.select(operations).where(
+                        operations.c.tenant_id == tenant_id,
+                        operations.c.operation == operation,
+                        operations.c.idempotency_key == key,
+                    )
+                )
+                .mappings()
+                .first()
+            )
+        if row is None:
+            raise OperationNotFound(f"no operation {operation} with key {key!r} for {tenant_id}")
+        return OperationRecord.from_row(row)
+
+    def find_by_reference(
+        self, tenant_id: str, provider: str, reference: str
+    ) -> OperationRecord | None:
+        with self.engine.connect() as conn:
+            row = (
+                conn.execute(
+                    sa.select(operations).where(
+                        operations.c.tenant_id == tenant_id,
+                        operations.c.provider == provider,
+                        operations.c.provider_reference == reference,
+                    )
+                )
+                .mappings()
+                .first()
+            )
+        return OperationRecord.from_row(row) if row is not None else None
+
+    def events(self, tenant_id: str, operation_id: str) -> list[EventRecord]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(events)
+                .where(events.c.tenant_id == tenant_id, events.c.operation_id == operation_id)
+                .order_by(events.c.id)
+            ).mappings()
+            return [EventRecord.from_row(r) for r in rows]
+
+    # -- writes -----------------------------------------------------------------------
+
+    def transition(
+        self,
+        record: OperationRecord,
+        to_state: State,
+        *,
+        kind: str,
+        actor: str,
+        detail: Mapping[str, Any] | None = None,
+        lease: timedelta | None = None,
+        lease_owner: str | None = None,
+        next_check_in: timedelta | None = None,
+        provider_reference: str | None = _UNSET,
+        response: Mapping[str, Any] | None = _UNSET,
+        error_code: str | None = _UNSET,
+        resolution: str | None = _UNSET,
+        possibly_sent: bool = _UNSET,
+        attempts_delta: int = 0,
+        checks_delta: int = 0,
+        needs_attention: bool = _UNSET,
+    ) -> OperationRecord:
+        """Move ``record`` to ``to_state`` if nobody wrote it since it was read.
+
+        The UPDATE is fenced by ``version``; its event row shares the transaction. Passing
+        ``lease`` (re)takes the lease for ``lease_owner``; otherwise the lease is released.
+        """
+        check_transition(record.state, to_state)
+        t = operations.c
+        values: dict[str, Any] = {
+            "state": to_state.value,
+            "version": t.version + 1,
+            "updated_at": db_now(),
+        }
+        if lease is not None:
+            values["lease_owner"] = lease_owner
+            values["lease_expires_at"] = db_now_plus(sa.literal(lease.total_seconds()))
+            values["next_check_at"] = db_now_plus(sa.literal(lease.total_seconds()))
+        else:
+            values["lease_owner"] = None
+            values["lease_expires_at"] = None
+            values["next_check_at"] = None
+        if next_check_in is not None:
+            values["next_check_at"] = db_now_plus(sa.literal(next_check_in.total_seconds()))
+        if to_state.terminal:
+            values["completed_at"] = db_now()
+            values["next_check_at"] = None
+            values["retain_until"] = db_now_plus(t.retention_seconds)
+        for name, value in (
+            ("provider_reference", provider_reference),
+            ("response", response),
+            ("error_code", error_code),
+            ("resolution", resolution),
+            ("possibly_sent", possibly_sent),
+            ("needs_attention", needs_attention),
+        ):
+            if value is not _UNSET:
+                values[name] = dict(value) if isinstance(value, Mapping) else value
+        if attempts_delta:
+            values["attempts"] = t.attempts + attempts_delta
+        if checks_delta:
+            values["checks"] = t.checks + checks_delta
+
+        def txn(conn: Connection) -> OperationRecord:
+            row = (
+                conn.execute(
+                    sa.update(operations)
+                    .where(
+                        t.tenant_id == record.tenant_id,
+                        t.id == record.id,
+                        t.version == record.version,
+                    )
+                    .values(**values)
+                    .returning(*operations.c)
+                )
+                .mappings()
+                .first()
+            )
+            if row is None:
+                raise StaleVersion(
+                    f"operation {record.id} changed since version {record.version}",
+                    operation_id=record.id,
+                )
+            updated = OperationRecord.from_row(row)
+            self._add_event(
+                conn,
+                updated,
+                kind=kind,
+                actor=actor,
+                from_state=record.state,
+                to_state=to_state,
+                detail=detail,
+            )
+            if self.is_postgres and (to_state is not State.IN_PROGRESS):
+                conn.execute(
+                    sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, f"{record.tenant_id}:{record.id}"))
+                )
+            return updated
+
+        return run_in_transaction(self.engine, txn)
+
+    def append_event(
+        self,
+        record: OperationRecord,
+        *,
+        kind: str,
+        actor: str,
+        detail: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Record evidence that does not move the operation (e.g. a stale worker's answer)."""
+
+        def txn(conn: Connection) -> None:
+            self._add_event(
+                conn, record, kind=kind, actor=actor, from_state=None, to_state=None, detail=detail
+            )
+
+        run_in_transaction(self.engine, txn)
+
+    # -- waiting ----------------------------------------------------------------------
+
+    def wait_until_settled(self, record: OperationRecord, wait: timedelta) -> OperationRecord:
+        """Wait up to ``wait`` for ``record`` to leave ``in_progress``; return it as it is then.
+
+        PostgreSQL waiters sleep on LISTEN/NOTIFY; SQLite waiters poll with backoff.
+        """
+        deadline = time.monotonic() + wait.total_seconds()
+        if self.is_postgres:
+            return self._wait_notify(record, deadline)
+        delay = 0.02
+        current = self.get(record.tenant_id, record.id)
+        while current.state is State.IN_PROGRESS and time.monotonic() < deadline:
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.25)
+            current = self.get(record.tenant_id, record.id)
+        return current
+
+    def _wait_notify(self, record: OperationRecord, deadline: float) -> OperationRecord:
+        raw = self.engine.raw_connection()
+        try:
+            pg = raw.driver_connection
+            assert pg is not None
+            raw.rollback()
+            pg.autocommit = True
+            pg.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            wanted = f"{record.tenant_id}:{record.id}"
+            try:
+                # Re-read after LISTEN: a NOTIFY sent before it would otherwise be missed.
+                current = self.get(record.tenant_id, record.id)
+                while current.state is State.IN_PROGRESS:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    for note in pg.notifies(timeout=min(remaining, 1.0)):
+                        if note.payload == wanted:
+                            break
+                    current = self.get(record.tenant_id, record.id)
+                return current
+            finally:
+                pg.execute(f"UNLISTEN {NOTIFY_CHANNEL}")
+                pg.autocommit = False
+        finally:
+            raw.close()
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _insert(self, table: sa.Table) -> Any:
+        return postgresql.insert(table) if self.is_postgres else sqlite.insert(table)
+
+    def _add_event(
+        self,
+        conn: Connection,
+        record: OperationRecord,
+        *,
+        kind: str,
+        actor: str,
+        from_state: State | None,
+        to_state: State | None,
+        detail: Mapping[str, Any] | None,
+    ) -> None:
+        conn.execute(
+            sa.insert(events).values(
+                tenant_id=record.tenant_id,
+                id=new_id(),
+                operation_id=record.id,
+                kind=kind,
+                actor=actor,
+                from_state=from_state.value if from_state else None,
+                to_state=to_state.value if to_state else None,
+                version=record.version if to_state is not None else None,
+                detail=dict(detail) if detail is not None else None,
+                created_at=db_now(),
+            )
+        )
+
+
+def is_active(state: State) -> bool:
+    return state in ACTIVE_STATES

@@ -1,0 +1,180 @@
+"""SQLAlchemy Core tables and the database clock.
+
+The schema itself is created only by the Alembic migrations in ``alembic/versions``; these
+definitions mirror them for queries (a test checks the two agree). Every key and index leads
+with ``tenant_id`` so the tables can be distributed by tenant.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Dialect
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+
+__all__ = [
+    "ACTIVE_STATE_VALUES",
+    "UTCDateTime",
+    "db_now",
+    "db_now_plus",
+    "events",
+    "metadata",
+    "operations",
+    "webhook_inbox",
+]
+
+ACTIVE_STATE_VALUES = ("in_progress", "outcome_unknown")
+TERMINAL_STATE_VALUES = ("succeeded", "failed_final")
+
+
+class UTCDateTime(sa.TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every dialect (SQLite stores naive UTC text)."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetimes are refused: pass an aware UTC datetime")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class db_now(sa.sql.expression.FunctionElement[datetime]):
+    """The database's clock: leases and due times are judged by one clock, not the hosts'."""
+
+    type = UTCDateTime()
+    inherit_cache = True
+
+
+class db_now_plus(sa.sql.expression.FunctionElement[datetime]):
+    """``db_now() + seconds`` (seconds may be a bound parameter or a column expression)."""
+
+    type = UTCDateTime()
+    inherit_cache = True
+
+
+@compiles(db_now, "postgresql")
+def _pg_now(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return "clock_timestamp()"
+
+
+@compiles(db_now)
+def _sqlite_now(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    # Same text format SQLAlchemy writes for SQLite DATETIME, so comparisons are textual.
+    return "(strftime('%Y-%m-%d %H:%M:%f', 'now') || '000')"
+
+
+@compiles(db_now_plus, "postgresql")
+def _pg_now_plus(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
+    (seconds,) = list(element.clauses)
+    return f"(clock_timestamp() + make_interval(secs => {compiler.process(seconds, **kw)}))"
+
+
+@compiles(db_now_plus)
+def _sqlite_now_plus(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
+    (seconds,) = list(element.clauses)
+    secs = compiler.process(seconds, **kw)
+    return f"(strftime('%Y-%m-%d %H:%M:%f', 'now', printf('%+.3f seconds', {secs})) || '000')"
+
+
+metadata = sa.MetaData()
+
+operations = sa.Table(
+    "payorch_operations",
+    metadata,
+    sa.Column("tenant_id", sa.String(64), nullable=False),
+    sa.Column("id", sa.String(36), nullable=False),
+    sa.Column("operation", sa.String(64), nullable=False),
+    sa.Column("idempotency_key", sa.String(255), nullable=False),
+    sa.Column("fingerprint", sa.String(64), nullable=False),
+    sa.Column("state", sa.String(20), nullable=False),
+    sa.Column("provider", sa.String(64), nullable=False),
+    sa.Column("downstream_key", sa.String(255), nullable=False),
+    sa.Column("provider_reference", sa.String(255)),
+    sa.Column("amount", sa.BigInteger),
+    sa.Column("currency", sa.String(3)),
+    sa.Column("request", sa.JSON),
+    sa.Column("response", sa.JSON),
+    sa.Column("error_code", sa.String(100)),
+    sa.Column("resolution", sa.String(40)),
+    sa.Column("retention_seconds", sa.Integer, nullable=False),
+    sa.Column("possibly_sent", sa.Boolean, nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("checks", sa.Integer, nullable=False),
+    sa.Column("next_check_at", UTCDateTime()),
+    sa.Column("needs_attention", sa.Boolean, nullable=False),
+    sa.Column("lease_owner", sa.String(200)),
+    sa.Column("lease_expires_at", UTCDateTime()),
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
+    sa.Column("completed_at", UTCDateTime()),
+    sa.Column("retain_until", UTCDateTime()),
+    sa.Column("reaped_at", UTCDateTime()),
+    sa.PrimaryKeyConstraint("tenant_id", "id", name="pk_payorch_operations"),
+    sa.UniqueConstraint(
+        "tenant_id", "operation", "idempotency_key", name="uq_payorch_operations_namespace"
+    ),
+    sa.Index("ix_payorch_operations_reference", "tenant_id", "provider", "provider_reference"),
+    sa.Index("ix_payorch_operations_created", "tenant_id", "created_at"),
+    # The reconciler's scan reads only non-terminal rows: its cost follows stuck work.
+    sa.Index(
+        "ix_payorch_operations_active",
+        "tenant_id",
+        "next_check_at",
+        postgresql_where=sa.text("state IN ('in_progress', 'outcome_unknown')"),
+        sqlite_where=sa.text("state IN ('in_progress', 'outcome_unknown')"),
+    ),
+    # The reaper reads only terminal rows not yet reaped.
+    sa.Index(
+        "ix_payorch_operations_retention",
+        "tenant_id",
+        "retain_until",
+        postgresql_where=sa.text("reaped_at IS NULL AND retain_until IS NOT NULL"),
+        sqlite_where=sa.text("reaped_at IS NULL AND retain_until IS NOT NULL"),
+    ),
+)
+
+events = sa.Table(
+    "payorch_events",
+    metadata,
+    sa.Column("tenant_id", sa.String(64), nullable=False),
+    sa.Column("id", sa.String(36), nullable=False),  # UUIDv7: time-ordered
+    sa.Column("operation_id", sa.String(36), nullable=False),
+    sa.Column("kind", sa.String(40), nullable=False),
+    sa.Column("actor", sa.String(200), nullable=False),
+    sa.Column("from_state", sa.String(20)),
+    sa.Column("to_state", sa.String(20)),
+    sa.Column("version", sa.Integer),
+    sa.Column("detail", sa.JSON),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.PrimaryKeyConstraint("tenant_id", "id", name="pk_payorch_events"),
+    sa.Index("ix_payorch_events_operation", "tenant_id", "operation_id", "id"),
+    sa.Index("ix_payorch_events_kind", "tenant_id", "kind", "created_at"),
+)
+
+webhook_inbox = sa.Table(
+    "payorch_webhook_inbox",
+    metadata,
+    sa.Column("tenant_id", sa.String(64), nullable=False),
+    sa.Column("provider", sa.String(64), nullable=False),
+    sa.Column("event_id", sa.String(255), nullable=False),
+    sa.Column("event_type", sa.String(100), nullable=False),
+    sa.Column("operation_id", sa.String(36)),
+    sa.Column("result", sa.String(40), nullable=False),
+    sa.Column("body", sa.JSON),
+    sa.Column("received_at", UTCDateTime(), nullable=False),
+    sa.PrimaryKeyConstraint("tenant_id", "provider", "event_id", name="pk_payorch_webhook_inbox"),
+    sa.Index("ix_payorch_webhook_inbox_result", "tenant_id", "result", "received_at"),
+)

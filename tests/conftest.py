@@ -1,0 +1,123 @@
+"""Shared fixtures: real PostgreSQL and SQLite stores, migrated by Alembic.
+
+PostgreSQL comes from ``PAYORCH_TEST_DATABASE_URL`` or a throwaway cluster started here.
+Without one the PostgreSQL tests skip loudly; with ``PAYORCH_REQUIRE_POSTGRES=1`` they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from pgcluster import Cluster, ClusterUnavailable
+
+from orchestrator import migrate
+from orchestrator.store import Store
+from orchestrator.tables import events, operations, webhook_inbox
+
+_PG_PROBLEM: list[str] = []
+REQUIRE_PG = os.environ.get("PAYORCH_REQUIRE_POSTGRES") == "1"
+
+
+def _pg_unavailable(reason: str) -> None:
+    _PG_PROBLEM.append(reason)
+    if REQUIRE_PG:
+        pytest.fail(f"PostgreSQL required (PAYORCH_REQUIRE_POSTGRES=1) but unavailable: {reason}")
+    pytest.skip(f"PostgreSQL unavailable: {reason}")
+
+
+@pytest.fixture(scope="session")
+def pg_server_url() -> Iterator[str]:
+    if _PG_PROBLEM:
+        _pg_unavailable(_PG_PROBLEM[0])
+    env_url = os.environ.get("PAYORCH_TEST_DATABASE_URL")
+    if env_url:
+        yield env_url
+        return
+    try:
+        cluster = Cluster()
+        url = cluster.start()
+    except ClusterUnavailable as exc:
+        _pg_unavailable(str(exc))
+        return
+    try:
+        yield url
+    finally:
+        cluster.stop()
+
+
+def create_pg_database(server_url: str, prefix: str = "payorch_test") -> str:
+    """A fresh database on the server; returns its URL."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    except sa.exc.OperationalError as exc:
+        _pg_unavailable(f"cannot reach {admin.url!r}: {exc.orig}")
+    finally:
+        admin.dispose()
+    return sa.make_url(server_url).set(database=name).render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def pg_url(pg_server_url: str) -> str:
+    url = create_pg_database(pg_server_url)
+    migrate.upgrade(url)
+    return url
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("sqlite-template") / "template.db"
+    migrate.upgrade(f"sqlite:///{path}")
+    return path
+
+
+def _truncate(url: str) -> None:
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        names = ", ".join(t.name for t in (operations, events, webhook_inbox))
+        conn.exec_driver_sql(f"TRUNCATE {names}")
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        template: Path = request.getfixturevalue("sqlite_template")
+        target = tmp_path / "payorch.db"
+        shutil.copyfile(template, target)
+        return f"sqlite:///{target}"
+    url: str = request.getfixturevalue("pg_url")
+    _truncate(url)
+    return url
+
+
+@pytest.fixture
+def postgres_url(request: pytest.FixtureRequest) -> str:
+    """PostgreSQL only (multi-process races, SKIP LOCKED)."""
+    url: str = request.getfixturevalue("pg_url")
+    _truncate(url)
+    return url
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    s = Store.from_url(db_url)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _PG_PROBLEM:
+        terminalreporter.write_sep(
+            "!", f"POSTGRESQL TESTS DID NOT RUN: {_PG_PROBLEM[0]}", red=True, bold=True
+        )

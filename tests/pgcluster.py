@@ -1,0 +1,97 @@
+"""A throwaway PostgreSQL cluster for the test run, started from the installed binaries.
+
+As root, initdb refuses to run; the server then runs as the ``postgres`` (or ``nobody``)
+user. ``fsync=off``: the cluster lives for one test run and is deleted after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+class ClusterUnavailable(Exception):
+    pass
+
+
+def _bindir() -> Path:
+    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)
+    for c in candidates:
+        if (Path(c) / "initdb").exists():
+            return Path(c)
+    found = shutil.which("initdb")
+    if found:
+        return Path(found).resolve().parent
+    raise ClusterUnavailable("no PostgreSQL server binaries (initdb) found")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _demote() -> tuple[Callable[[], None] | None, int | None, int | None]:
+    if os.geteuid() != 0:
+        return None, None, None
+    for name in ("postgres", "nobody"):
+        try:
+            pw = pwd.getpwnam(name)
+        except KeyError:
+            continue
+        uid, gid = pw.pw_uid, pw.pw_gid
+
+        def _preexec(uid: int = uid, gid: int = gid) -> None:
+            os.setgid(gid)
+            os.setuid(uid)
+
+        return _preexec, uid, gid
+    raise ClusterUnavailable("running as root and no unprivileged user to run PostgreSQL")
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.bindir = _bindir()
+        self.root = Path(tempfile.mkdtemp(prefix="payorch-pg-"))
+        self.data = self.root / "data"
+        self.port = _free_port()
+        self.preexec, uid, gid = _demote()
+        if uid is not None and gid is not None:
+            os.chown(self.root, uid, gid)
+        self.env = {**os.environ, "LC_ALL": "C", "LANG": "C"}
+
+    def _run(self, *args: str) -> None:
+        proc = subprocess.run(
+            [str(self.bindir / args[0]), *args[1:]],
+            preexec_fn=self.preexec,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            cwd=self.root,
+        )
+        if proc.returncode != 0:
+            raise ClusterUnavailable(f"{args[0]} failed: {proc.stderr.strip() or proc.stdout}")
+
+    def start(self) -> str:
+        self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
+        opts = (
+            f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
+            "-c synchronous_commit=off -c full_page_writes=off -c max_connections=300"
+        )
+        self._run(
+            "pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.root / "log"), "-w", "start"
+        )
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def stop(self) -> None:
+        with contextlib.suppress(ClusterUnavailable):
+            self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+        shutil.rmtree(self.root, ignore_errors=True)

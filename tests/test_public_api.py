@@ -1,0 +1,65 @@
+"""The public surface is pinned: changing it is a deliberate act."""
+
+from __future__ import annotations
+
+import orchestrator
+from orchestrator import errors
+
+EXPECTED = [
+    "ClaimResult",
+    "ConfigurationError",
+    "DatabaseUnavailable",
+    "EventRecord",
+    "IdempotencyError",
+    "IdempotencyKeyExpired",
+    "IdempotencyKeyReused",
+    "InvalidIdempotencyKey",
+    "InvalidMoney",
+    "InvalidRequest",
+    "InvalidTenant",
+    "InvalidTransition",
+    "NewOperation",
+    "OperationInProgress",
+    "OperationNotFound",
+    "OperationRecord",
+    "OperationType",
+    "PayorchError",
+    "ProviderError",
+    "ProviderIdempotencyError",
+    "Registry",
+    "RequestValidationFailed",
+    "StaleVersion",
+    "State",
+    "StateConflict",
+    "StorageError",
+    "Store",
+    "UnknownOperationType",
+    "UnknownProvider",
+    "WebhookMalformed",
+    "WebhookRejected",
+    "WebhookSignatureInvalid",
+    "default_registry",
+]
+
+
+def test_all_is_pinned_and_sorted() -> None:
+    assert orchestrator.__all__ == EXPECTED
+    assert sorted(orchestrator.__all__) == orchestrator.__all__
+    for name in orchestrator.__all__:
+        assert hasattr(orchestrator, name)
+
+
+def test_every_error_derives_from_the_base_and_has_a_status() -> None:
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.PayorchError)
+        assert 400 <= cls.http_status <= 599
+
+
+def test_errors_survive_pickling() -> None:
+    import pickle
+
+    exc = errors.OperationInProgress("busy", operation_id="op-1", retry_after=3.0)
+    again = pickle.loads(pickle.dumps(exc))
+    assert type(again) is errors.OperationInProgress
+    assert (again.operation_id, again.retry_after, again.message) == ("op-1", 3.0, "busy")

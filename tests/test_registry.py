@@ -1,0 +1,84 @@
+"""Bad input is refused before anything is written."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from orchestrator.errors import (
+    InvalidIdempotencyKey,
+    InvalidRequest,
+    InvalidTenant,
+    RequestValidationFailed,
+    UnknownOperationType,
+)
+from orchestrator.operations import REDACTED, OperationType, default_registry
+from orchestrator.store import Store
+from orchestrator.tables import operations
+
+GOOD = {"amount": 1000, "currency": "EUR", "customer": "cus_1"}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"tenant_id": ""}, InvalidTenant),
+        ({"idempotency_key": ""}, InvalidIdempotencyKey),
+        ({"idempotency_key": "k" * 256}, InvalidIdempotencyKey),
+        ({"idempotency_key": "bell\x07"}, InvalidIdempotencyKey),
+        ({"operation": "payment.teleport"}, UnknownOperationType),
+        ({"request": {**GOOD, "amount": 10.5}}, RequestValidationFailed),
+        ({"request": {**GOOD, "amount": 10.0}}, RequestValidationFailed),
+        ({"request": {**GOOD, "amount": "1000"}}, RequestValidationFailed),
+        ({"request": {**GOOD, "currency": "XXY"}}, RequestValidationFailed),
+        ({"request": {**GOOD, "surprise": 1}}, RequestValidationFailed),
+    ],
+)
+def test_bad_input_is_a_typed_error_and_writes_nothing(
+    store: Store, kwargs: dict[str, Any], error: type[Exception]
+) -> None:
+    reg = default_registry("sandbox")
+    args: dict[str, Any] = {
+        "tenant_id": "t1",
+        "operation": "payment.create",
+        "idempotency_key": "k1",
+        "request": GOOD,
+        **kwargs,
+    }
+    with pytest.raises(error) as info:
+        reg.prepare(**args)
+    assert isinstance(info.value, InvalidRequest)
+    assert info.value.http_status in (400, 422)
+    with store.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(operations)).scalar() == 0
+
+
+def test_sensitive_fields_are_redacted_before_storage() -> None:
+    from pydantic import BaseModel
+
+    class CardPayment(BaseModel):
+        amount: int
+        currency: str
+        card_number: str
+
+    reg = default_registry("sandbox")
+    reg.register(
+        OperationType(
+            name="card.charge",
+            model=CardPayment,
+            effect_fields=("amount", "currency"),
+            sensitive_fields=("card_number",),
+            provider="sandbox",
+        )
+    )
+    prepared = reg.prepare(
+        tenant_id="t",
+        operation="card.charge",
+        idempotency_key="k",
+        request={"amount": 5, "currency": "EUR", "card_number": "4242424242424242"},
+    )
+    assert prepared.new.request is not None
+    assert prepared.new.request["card_number"] == REDACTED
+    assert prepared.payload["card_number"] == "4242424242424242"

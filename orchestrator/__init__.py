@@ -1,6 +1,7 @@
 """payorch: one explainable effect per payment operation."""
 
 from .core import State
+from .daemon import ReconcilerDaemon
 from .errors import (
     ConfigurationError,
     DatabaseUnavailable,
@@ -27,15 +28,24 @@ from .errors import (
     WebhookRejected,
     WebhookSignatureInvalid,
 )
+from .executor import Executor, RetryPolicy
 from .operations import OperationType, Registry, default_registry
+from .outcome import Outcome
+from .provider import Answer, AnswerKind, Provider, StatusQuery, SubmitRequest, WebhookEvent
+from .reconciler import Reconciler, ReconcileReport, ReconcilerPolicy
 from .records import ClaimResult, EventRecord, NewOperation, OperationRecord
+from .settings import Settings
 from .store import Store
+from .webhooks import WebhookHandler, WebhookResult, WebhookStatus
 
 __all__ = [
+    "Answer",
+    "AnswerKind",
     "ClaimResult",
     "ConfigurationError",
     "DatabaseUnavailable",
     "EventRecord",
+    "Executor",
     "IdempotencyError",
     "IdempotencyKeyExpired",
     "IdempotencyKeyReused",
@@ -49,20 +59,34 @@ __all__ = [
     "OperationNotFound",
     "OperationRecord",
     "OperationType",
+    "Outcome",
     "PayorchError",
+    "Provider",
     "ProviderError",
     "ProviderIdempotencyError",
+    "ReconcileReport",
+    "Reconciler",
+    "ReconcilerDaemon",
+    "ReconcilerPolicy",
     "Registry",
     "RequestValidationFailed",
+    "RetryPolicy",
+    "Settings",
     "StaleVersion",
     "State",
     "StateConflict",
+    "StatusQuery",
     "StorageError",
     "Store",
+    "SubmitRequest",
     "UnknownOperationType",
     "UnknownProvider",
+    "WebhookEvent",
+    "WebhookHandler",
     "WebhookMalformed",
     "WebhookRejected",
+    "WebhookResult",
     "WebhookSignatureInvalid",
+    "WebhookStatus",
     "default_registry",
 ]

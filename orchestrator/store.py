@@ -12,8 +12,8 @@ Times are the database's (``db_now``), so hosts with skewed clocks agree on leas
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from datetime import timedelta
+from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -21,7 +21,7 @@ import uuid6
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Engine
 
-from .core import ACTIVE_STATES, State, check_transition, downstream_key
+from .core import State, check_transition, downstream_key
 from .db import create_engine, run_in_transaction
 from .errors import (
     IdempotencyKeyExpired,
@@ -141,6 +141,19 @@ class Store:
             remaining = 0.0
             if existing.lease_expires_at is not None:
                 remaining = (existing.lease_expires_at - found["_now"]).total_seconds()
+            # Conflicts and replays go to the operation's log (stats, audit); the operation
+            # row itself is never touched by a duplicate.
+            noted = _duplicate_kind(existing, new)
+            if noted is not None:
+                self._add_event(
+                    conn,
+                    existing,
+                    kind=noted,
+                    actor=owner,
+                    from_state=None,
+                    to_state=None,
+                    detail={"offered_fingerprint": new.fingerprint},
+                )
             return existing, False, remaining
 
         record, created, lease_remaining = run_in_transaction(self.engine, txn)
@@ -271,11 +284,13 @@ class Store:
         attempts_delta: int = 0,
         checks_delta: int = 0,
         needs_attention: bool = _UNSET,
+        also: Callable[[Connection, OperationRecord], None] | None = None,
     ) -> OperationRecord:
         """Move ``record`` to ``to_state`` if nobody wrote it since it was read.
 
         The UPDATE is fenced by ``version``; its event row shares the transaction. Passing
         ``lease`` (re)takes the lease for ``lease_owner``; otherwise the lease is released.
+        ``also`` runs in the same transaction (e.g. the webhook inbox row).
         """
         check_transition(record.state, to_state)
         t = operations.c
@@ -343,6 +358,8 @@ class Store:
                 to_state=to_state,
                 detail=detail,
             )
+            if also is not None:
+                also(conn, updated)
             if self.is_postgres and (to_state is not State.IN_PROGRESS):
                 conn.execute(
                     sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, f"{record.tenant_id}:{record.id}"))
@@ -364,6 +381,114 @@ class Store:
         def txn(conn: Connection) -> None:
             self._add_event(
                 conn, record, kind=kind, actor=actor, from_state=None, to_state=None, detail=detail
+            )
+
+        run_in_transaction(self.engine, txn)
+
+    def flag_attention(
+        self, record: OperationRecord, *, kind: str, actor: str, detail: Mapping[str, Any]
+    ) -> OperationRecord:
+        """Set ``needs_attention`` (any state, terminal included) with an event; fenced."""
+
+        def txn(conn: Connection) -> OperationRecord:
+            row = (
+                conn.execute(
+                    sa.update(operations)
+                    .where(
+                        operations.c.tenant_id == record.tenant_id,
+                        operations.c.id == record.id,
+                        operations.c.version == record.version,
+                    )
+                    .values(
+                        needs_attention=True,
+                        version=operations.c.version + 1,
+                        updated_at=db_now(),
+                    )
+                    .returning(*operations.c)
+                )
+                .mappings()
+                .first()
+            )
+            if row is None:
+                raise StaleVersion(f"operation {record.id} changed", operation_id=record.id)
+            updated = OperationRecord.from_row(row)
+            self._add_event(
+                conn, updated, kind=kind, actor=actor, from_state=None, to_state=None, detail=detail
+            )
+            return updated
+
+        return run_in_transaction(self.engine, txn)
+
+    # -- the reconciler's work queue --------------------------------------------------
+
+    def claim_due(
+        self, *, owner: str, lease: timedelta, limit: int
+    ) -> list[tuple[OperationRecord, datetime]]:
+        """Lease up to ``limit`` due operations for ``owner``; return them with the DB time.
+
+        Due: ``outcome_unknown`` whose next check has come, or ``in_progress`` whose lease
+        expired. PostgreSQL picks with ``FOR UPDATE SKIP LOCKED`` so daemons on many hosts
+        take disjoint batches; the lease then keeps others off until it expires.
+        """
+        t = operations.c
+        lease_s = lease.total_seconds()
+
+        def txn(conn: Connection) -> list[tuple[OperationRecord, datetime]]:
+            pick = (
+                sa.select(t.tenant_id, t.id, t.version)
+                .where(
+                    t.state.in_(("in_progress", "outcome_unknown")),
+                    t.next_check_at <= db_now(),
+                    sa.or_(t.lease_expires_at.is_(None), t.lease_expires_at <= db_now()),
+                )
+                .order_by(t.next_check_at)
+                .limit(limit)
+            )
+            if self.is_postgres:
+                pick = pick.with_for_update(skip_locked=True)
+            picked = conn.execute(pick).all()
+            out: list[tuple[OperationRecord, datetime]] = []
+            for tenant_id, op_id, version in picked:
+                row = (
+                    conn.execute(
+                        sa.update(operations)
+                        .where(t.tenant_id == tenant_id, t.id == op_id, t.version == version)
+                        .values(
+                            lease_owner=owner,
+                            lease_expires_at=db_now_plus(sa.literal(lease_s)),
+                            version=t.version + 1,
+                            updated_at=db_now(),
+                        )
+                        .returning(*operations.c, db_now().label("_now"))
+                    )
+                    .mappings()
+                    .first()
+                )
+                if row is not None:
+                    out.append((OperationRecord.from_row(row), row["_now"]))
+            return out
+
+        return run_in_transaction(self.engine, txn)
+
+    def release(self, record: OperationRecord) -> None:
+        """Give a lease back untouched (graceful shutdown): due again at once."""
+        t = operations.c
+
+        def txn(conn: Connection) -> None:
+            conn.execute(
+                sa.update(operations)
+                .where(
+                    t.tenant_id == record.tenant_id,
+                    t.id == record.id,
+                    t.version == record.version,
+                )
+                .values(
+                    lease_owner=None,
+                    lease_expires_at=None,
+                    next_check_at=db_now(),
+                    version=t.version + 1,
+                    updated_at=db_now(),
+                )
             )
 
         run_in_transaction(self.engine, txn)
@@ -445,5 +570,11 @@ class Store:
         )
 
 
-def is_active(state: State) -> bool:
-    return state in ACTIVE_STATES
+def _duplicate_kind(existing: OperationRecord, new: NewOperation) -> str | None:
+    if existing.reaped_at is not None:
+        return "expired_key_used"
+    if existing.fingerprint != new.fingerprint:
+        return "key_reused"
+    if existing.terminal:
+        return "replayed"
+    return None

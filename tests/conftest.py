@@ -10,15 +10,20 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import httpx
 import pytest
 import sqlalchemy as sa
 from pgcluster import Cluster, ClusterUnavailable
 
 from orchestrator import migrate
+from orchestrator.executor import Executor
+from orchestrator.operations import default_registry
 from orchestrator.store import Store
 from orchestrator.tables import events, operations, webhook_inbox
+from providers.sandbox import SandboxProvider, SandboxServer
 
 _PG_PROBLEM: list[str] = []
 REQUIRE_PG = os.environ.get("PAYORCH_REQUIRE_POSTGRES") == "1"
@@ -120,4 +125,70 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if _PG_PROBLEM:
         terminalreporter.write_sep(
             "!", f"POSTGRESQL TESTS DID NOT RUN: {_PG_PROBLEM[0]}", red=True, bold=True
+        )
+
+
+# -- the sandbox acquirer on loopback ----------------------------------------------------
+
+FAST_TIMEOUT = httpx.Timeout(connect=1.0, read=0.5, write=1.0, pool=1.0)
+
+
+@pytest.fixture
+def sandbox() -> Iterator[SandboxServer]:
+    # drop_hold: a dropped response holds the socket a little longer than the client waits.
+    with SandboxServer(drop_hold_seconds=2.0) as sb:
+        yield sb
+
+
+@pytest.fixture
+def sandbox_provider(sandbox: SandboxServer) -> Iterator[SandboxProvider]:
+    with SandboxProvider(
+        base_url=sandbox.url, webhook_secret=sandbox.webhook_secret, timeout=FAST_TIMEOUT
+    ) as provider:
+        yield provider
+
+
+class RecordingSleep:
+    """Stands in for time.sleep in retry loops: records the delays, waits for nothing."""
+
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+
+    def __call__(self, seconds: float) -> None:
+        self.delays.append(seconds)
+
+
+@pytest.fixture
+def executor(store: Store, sandbox_provider: SandboxProvider) -> Executor:
+    return Executor(
+        store=store,
+        providers=[sandbox_provider],
+        registry=default_registry("sandbox"),
+        lease=timedelta(seconds=30),
+        sleep=RecordingSleep(),
+        owner="test-executor",
+    )
+
+
+def make_due(store: Store, operation_id: str) -> None:
+    """Let time pass for one operation: its lease and its next check lie in the past."""
+    past = datetime.now(UTC) - timedelta(hours=1)
+    t = operations.c
+    with store.engine.begin() as conn:
+        conn.execute(sa.update(operations).where(t.id == operation_id).values(next_check_at=past))
+        conn.execute(
+            sa.update(operations)
+            .where(t.id == operation_id, t.lease_expires_at.is_not(None))
+            .values(lease_expires_at=past)
+        )
+
+
+def age(store: Store, operation_id: str, by: timedelta) -> None:
+    """Make an operation older (created earlier) by ``by``: the grace and window clocks."""
+    with store.engine.begin() as conn:
+        row = conn.execute(
+            sa.select(operations.c.created_at).where(operations.c.id == operation_id)
+        ).scalar_one()
+        conn.execute(
+            sa.update(operations).where(operations.c.id == operation_id).values(created_at=row - by)
         )

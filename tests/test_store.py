@@ -107,7 +107,10 @@ def test_changed_effect_field_is_refused_and_changes_nothing(store: Store) -> No
     assert info.value.operation_id == first.id
     assert store.get("t1", first.id) == first
     assert _count(store, operations) == 1
-    assert _count(store, events) == n_events
+    # The refusal is noted in the operation's log (for stats), nothing else is written.
+    assert _count(store, events) == n_events + 1
+    noted = store.events("t1", first.id)[-1]
+    assert noted.kind == "key_reused" and noted.to_state is None
 
 
 def test_transport_field_change_is_the_same_operation(store: Store) -> None:

@@ -34,3 +34,55 @@ def claim_many(url: str, worker: int, keys: list[str]) -> list[tuple[str, str, b
     finally:
         store.close()
     return out
+
+
+def execute_then_die(url: str, sandbox_url: str, key: str) -> None:
+    """Run execute(); SIGKILL this process once the provider has committed, before the
+    outcome is recorded: the crash window the reconciler must close."""
+    import os
+    import signal
+
+    from orchestrator.executor import Executor
+    from orchestrator.operations import default_registry
+    from orchestrator.provider import Answer, SubmitRequest
+    from providers.sandbox import SandboxProvider
+
+    class DiesAfterSubmit(SandboxProvider):
+        def submit(self, request: SubmitRequest) -> Answer:
+            super().submit(request)
+            os.kill(os.getpid(), signal.SIGKILL)
+            raise AssertionError("unreachable")
+
+    store = Store.from_url(url)
+    provider = DiesAfterSubmit(base_url=sandbox_url)
+    ex = Executor(
+        store=store,
+        providers=[provider],
+        registry=default_registry("sandbox"),
+        lease=timedelta(seconds=120),
+    )
+    ex.execute(
+        tenant_id="shop",
+        operation="payment.create",
+        idempotency_key=key,
+        request={"amount": 1250, "currency": "EUR", "customer": "cus_7"},
+    )
+
+
+def reconcile_until_idle(url: str, sandbox_url: str, worker: int) -> dict[str, int]:
+    """One reconciler process: passes until nothing is due; returns its outcome counts."""
+    from orchestrator.reconciler import Reconciler, ReconcilerPolicy
+    from providers.sandbox import SandboxProvider
+
+    store = Store.from_url(url)
+    try:
+        with SandboxProvider(base_url=sandbox_url) as provider:
+            rec = Reconciler(
+                store=store,
+                providers=[provider],
+                policy=ReconcilerPolicy(batch_size=25),
+                owner=f"reconciler-{worker}",
+            )
+            return dict(rec.run_until_idle(max_passes=200).outcomes)
+    finally:
+        store.close()

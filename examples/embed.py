@@ -1,0 +1,28 @@
+"""The README's embedding example, runnable: `python examples/embed.py` (needs the sandbox)."""
+
+from datetime import timedelta
+
+from orchestrator import Executor, OperationInProgress, Store, default_registry
+from orchestrator.migrate import upgrade
+from providers.sandbox import SandboxProvider, SandboxServer
+
+url = "sqlite:///payments.db"  # or postgresql+psycopg://user@host/db
+upgrade(url)  # same as `payorch db upgrade`
+with SandboxServer() as acquirer, SandboxProvider(base_url=acquirer.url) as sandbox:
+    payments = Executor(
+        store=Store.from_url(url),
+        providers=[sandbox],
+        registry=default_registry(provider="sandbox"),
+        lease=timedelta(seconds=60),  # must outlast the whole provider call
+    )
+    try:
+        outcome = payments.execute(
+            tenant_id="shop-1",
+            operation="payment.create",
+            idempotency_key="order-1001",  # the client's Idempotency-Key header
+            request={"amount": 1999, "currency": "EUR", "customer": "cus_42"},
+        )
+    except OperationInProgress as busy:  # answer 409 with Retry-After: busy.retry_after
+        raise SystemExit(f"in progress, retry after {busy.retry_after}s") from None
+    # 200 succeeded / 402 declined / 202 outcome_unknown (the reconciler settles it)
+    print(outcome.http_status, outcome.state, outcome.provider_reference, outcome.replayed)

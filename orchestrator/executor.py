@@ -1,0 +1,259 @@
+"""``execute()``: claim -> (row and downstream key durable) -> submit -> classify -> record.
+
+The claim commits the operation, its lease and its downstream key, and marks the first
+attempt as possibly sent, before a byte goes to the provider: a crash at any point after
+that leaves an operation the reconciler can finish from evidence.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from pydantic import BaseModel
+
+from .core import State, backoff_delay, max_backoff_total
+from .errors import ConfigurationError, ProviderIdempotencyError, StaleVersion, UnknownProvider
+from .operations import Registry, default_registry
+from .outcome import Outcome, decide
+from .provider import Answer, AnswerKind, Provider, SubmitRequest
+from .records import OperationRecord
+from .store import Store
+
+__all__ = ["Executor", "RetryPolicy", "default_owner", "submit_and_record"]
+
+
+def default_owner(role: str = "executor") -> str:
+    """A lease owner name that says which process held it."""
+    return f"{role}:{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """Inline retries for answers that were certainly not sent (same downstream key)."""
+
+    max_attempts: int = 4
+    base_delay: float = 0.1
+    max_delay: float = 2.0
+    first_check: timedelta = timedelta(seconds=2)  # first reconciler look at an unknown
+    pending_check: timedelta = timedelta(seconds=5)
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1 or self.base_delay < 0 or self.max_delay < self.base_delay:
+            raise ConfigurationError("retry policy: need max_attempts >= 1, 0 <= base <= max")
+
+
+class Executor:
+    """Runs payment operations through their provider, exactly once per namespace."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        providers: Iterable[Provider],
+        registry: Registry | None = None,
+        lease: timedelta = timedelta(seconds=60),
+        retry: RetryPolicy | None = None,
+        owner: str | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
+        self.store = store
+        self.providers: dict[str, Provider] = {}
+        for p in providers:
+            if p.name in self.providers:
+                raise ConfigurationError(f"two providers named {p.name!r}")
+            self.providers[p.name] = p
+        self.registry = registry or default_registry()
+        self.lease = lease
+        self.retry = retry or RetryPolicy()
+        self.owner = owner or default_owner()
+        self._sleep = sleep
+        self._rand = rand
+        for p in self.providers.values():
+            needed = self.lease_needed(p)
+            if lease < needed:
+                raise ConfigurationError(
+                    f"lease {lease.total_seconds():g}s is shorter than the worst case of one "
+                    f"execute() on {p.name!r} ({needed.total_seconds():g}s: "
+                    f"{self.retry.max_attempts} attempts x "
+                    f"{p.max_call_duration.total_seconds():g}s plus backoff); "
+                    "raise the lease or lower the time-outs"
+                )
+
+    def lease_needed(self, provider: Provider) -> timedelta:
+        r = self.retry
+        sleeping = max_backoff_total(r.max_attempts - 1, base=r.base_delay, cap=r.max_delay)
+        return provider.max_call_duration * r.max_attempts + timedelta(seconds=sleeping + 1.0)
+
+    def provider(self, name: str) -> Provider:
+        try:
+            return self.providers[name]
+        except KeyError:
+            raise UnknownProvider(f"no provider named {name!r} is configured") from None
+
+    def execute(
+        self,
+        *,
+        tenant_id: str,
+        operation: str,
+        idempotency_key: str,
+        request: Mapping[str, Any] | BaseModel,
+        provider: str | None = None,
+        wait: timedelta | None = None,
+    ) -> Outcome:
+        """Run one operation or return what its namespace already holds.
+
+        Raises ``InvalidRequest`` subclasses (nothing written), ``IdempotencyKeyReused``,
+        ``IdempotencyKeyExpired`` and ``OperationInProgress`` (unless ``wait`` covers it).
+        """
+        prepared = self.registry.prepare(
+            tenant_id=tenant_id,
+            operation=operation,
+            idempotency_key=idempotency_key,
+            request=request,
+            provider=provider,
+        )
+        adapter = self.provider(prepared.new.provider)
+        claim = self.store.claim(
+            prepared.new, owner=self.owner, lease=self.lease, possibly_sent=True, wait=wait
+        )
+        if not claim.created:
+            return Outcome.from_record(claim.operation, replayed=claim.replayed)
+        record = submit_and_record(
+            self.store,
+            adapter,
+            claim.operation,
+            prepared.payload,
+            owner=self.owner,
+            lease=self.lease,
+            retry=self.retry,
+            sleep=self._sleep,
+            rand=self._rand,
+        )
+        return Outcome.from_record(record, replayed=False)
+
+
+def _submit_once(adapter: Provider, request: SubmitRequest) -> tuple[Answer, bool]:
+    """One attempt; returns the answer and whether it flags the operation for a human."""
+    try:
+        return adapter.submit(request), False
+    except ProviderIdempotencyError as exc:
+        # The provider holds a different request under our key: we cannot tell what it did
+        # with this one. Unknown, and a human should look.
+        return Answer(kind=AnswerKind.AMBIGUOUS, code="idempotency_error", message=str(exc)), True
+    except ConfigurationError as exc:
+        # The adapter refused before sending (e.g. an operation it does not support).
+        return Answer(kind=AnswerKind.NOT_SENT, code="configuration_error", message=str(exc)), True
+
+
+def submit_and_record(
+    store: Store,
+    adapter: Provider,
+    record: OperationRecord,
+    payload: Mapping[str, Any],
+    *,
+    owner: str,
+    lease: timedelta,
+    retry: RetryPolicy,
+    sleep: Callable[[float], None] = time.sleep,
+    rand: Callable[[], float] = random.random,
+    actor_kind: str = "provider_answer",
+    not_sent_is_final: bool = True,
+) -> OperationRecord:
+    """Submit ``record`` (lease held by ``owner``, attempt marked possibly sent) and record
+    the classified answer. Shared by the executor and the reconciler's re-submission.
+
+    ``not_sent_is_final=False`` (re-submission): when no attempt got through, the operation
+    stays ``outcome_unknown`` for a later check instead of failing, because an earlier
+    attempt, outside this call, may still surface at the provider.
+    """
+    request = SubmitRequest(
+        tenant_id=record.tenant_id,
+        operation=record.operation,
+        operation_id=record.id,
+        downstream_key=record.downstream_key,
+        payload=payload,
+    )
+    attempt = 1
+    while True:
+        started = time.monotonic()
+        answer, attention = _submit_once(adapter, request)
+        detail = {
+            "attempt": attempt,
+            "duration_ms": round((time.monotonic() - started) * 1000, 1),
+            "downstream_key": record.downstream_key,
+            **answer.evidence(),
+        }
+        retryable = answer.kind is AnswerKind.NOT_SENT and not attention
+        too_long = (answer.retry_after or 0) > retry.max_delay
+        if retryable and attempt < retry.max_attempts and not too_long:
+            delay = backoff_delay(
+                attempt - 1,
+                base=retry.base_delay,
+                cap=retry.max_delay,
+                rand=rand,
+                floor=answer.retry_after or 0.0,
+            )
+            detail["retry_in_ms"] = round(delay * 1000, 1)
+            try:
+                # Records this attempt and renews the lease; the next one is possibly sent.
+                record = store.transition(
+                    record,
+                    State.IN_PROGRESS,
+                    kind="attempt",
+                    actor=owner,
+                    detail=detail,
+                    lease=lease,
+                    lease_owner=owner,
+                    attempts_delta=1,
+                )
+            except StaleVersion:
+                return _late(store, record, owner, detail)
+            sleep(delay)
+            attempt += 1
+            continue
+        decision = decide(
+            answer,
+            first_check=retry.first_check,
+            pending_check=retry.pending_check,
+            not_sent_is_final=not_sent_is_final,
+        )
+        values: dict[str, Any] = {
+            "response": decision.response,
+            "error_code": decision.error_code,
+            "resolution": actor_kind if decision.state.terminal else None,
+        }
+        if decision.provider_reference is not None:
+            values["provider_reference"] = decision.provider_reference
+        if answer.kind is AnswerKind.NOT_SENT and not_sent_is_final:
+            values["possibly_sent"] = False  # every attempt was refused before sending
+        if attention:
+            values["needs_attention"] = True
+        try:
+            return store.transition(
+                record,
+                decision.state,
+                kind=actor_kind,
+                actor=owner,
+                detail=detail,
+                next_check_in=decision.next_check_in,
+                **values,
+            )
+        except StaleVersion:
+            return _late(store, record, owner, detail)
+
+
+def _late(
+    store: Store, record: OperationRecord, owner: str, detail: Mapping[str, Any]
+) -> OperationRecord:
+    """Our lease was lost: the answer is evidence, never a write over the new holder."""
+    current = store.get(record.tenant_id, record.id)
+    store.append_event(current, kind="late_answer", actor=owner, detail=detail)
+    return current

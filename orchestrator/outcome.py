@@ -1,0 +1,135 @@
+"""What a caller gets back, and how a provider answer becomes a stored outcome (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from .core import State
+from .provider import Answer, AnswerKind
+from .records import OperationRecord
+
+__all__ = ["Decision", "Outcome", "decide"]
+
+# Stored outcomes carry the status an HTTP front end should replay.
+_STATUS_FOR_STATE = {
+    State.SUCCEEDED: 200,
+    State.FAILED_FINAL: 402,
+    State.OUTCOME_UNKNOWN: 202,
+    State.IN_PROGRESS: 409,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    """The answer to ``execute()``: the operation as it stands, and whether it is a replay."""
+
+    operation_id: str
+    tenant_id: str
+    operation: str
+    state: State
+    replayed: bool
+    http_status: int
+    provider_reference: str | None
+    error_code: str | None
+    response: Mapping[str, Any] | None
+    needs_attention: bool
+
+    @classmethod
+    def from_record(cls, record: OperationRecord, *, replayed: bool) -> Outcome:
+        status = _STATUS_FOR_STATE[record.state]
+        if record.response and isinstance(record.response.get("http_status"), int):
+            status = int(record.response["http_status"])
+        return cls(
+            operation_id=record.id,
+            tenant_id=record.tenant_id,
+            operation=record.operation,
+            state=record.state,
+            replayed=replayed,
+            http_status=status,
+            provider_reference=record.provider_reference,
+            error_code=record.error_code,
+            response=record.response,
+            needs_attention=record.needs_attention,
+        )
+
+    @property
+    def succeeded(self) -> bool:
+        return self.state is State.SUCCEEDED
+
+    @property
+    def unknown(self) -> bool:
+        return self.state is State.OUTCOME_UNKNOWN
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """Where an answer moves an operation, with the values to store."""
+
+    state: State
+    response: dict[str, Any] | None
+    error_code: str | None
+    provider_reference: str | None
+    next_check_in: timedelta | None = None
+
+
+def decide(
+    answer: Answer,
+    *,
+    first_check: timedelta,
+    pending_check: timedelta,
+    not_sent_is_final: bool = True,
+) -> Decision:
+    """Map a classified answer to a state (NOT_SENT after the caller's retries)."""
+    ref = answer.provider_reference
+    if answer.kind is AnswerKind.SUCCEEDED:
+        return Decision(
+            state=State.SUCCEEDED,
+            response={
+                "status": "succeeded",
+                "http_status": 200,
+                "provider_reference": ref,
+                "provider_response": dict(answer.body) if answer.body else None,
+            },
+            error_code=None,
+            provider_reference=ref,
+        )
+    if answer.kind is AnswerKind.DECLINED:
+        return Decision(
+            state=State.FAILED_FINAL,
+            response={
+                "status": "failed",
+                "http_status": 402,
+                "code": answer.code,
+                "message": answer.message,
+                "provider_reference": ref,
+            },
+            error_code=answer.code or "declined",
+            provider_reference=ref,
+        )
+    if answer.kind is AnswerKind.NOT_SENT and not_sent_is_final:
+        # Certain that nothing reached the provider: a final failure the client may retry
+        # with a new key.
+        return Decision(
+            state=State.FAILED_FINAL,
+            response={
+                "status": "failed",
+                "http_status": 503,
+                "code": "provider_unavailable",
+                "message": answer.message or answer.code,
+            },
+            error_code="provider_unavailable",
+            provider_reference=ref,
+        )
+    delay = pending_check if answer.kind is AnswerKind.PENDING else first_check
+    if answer.retry_after:
+        delay = max(delay, timedelta(seconds=answer.retry_after))
+    return Decision(
+        state=State.OUTCOME_UNKNOWN,
+        response=None,
+        error_code=answer.code,
+        provider_reference=ref,
+        next_check_in=delay,
+    )

@@ -1,0 +1,313 @@
+"""The reconciler: drive ``outcome_unknown`` and abandoned ``in_progress`` to the truth.
+
+It leases due operations in batches, asks the provider, and applies the evidence. It never
+guesses a money outcome: what it cannot prove stays ``outcome_unknown`` and, after enough
+checks or age, is flagged ``needs_attention`` for a human.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from .core import State, backoff_delay
+from .errors import ConfigurationError, StaleVersion
+from .executor import RetryPolicy, default_owner, submit_and_record
+from .operations import REDACTED
+from .provider import AnswerKind, Provider, StatusQuery
+from .records import OperationRecord
+from .store import Store
+
+__all__ = ["ReconcileReport", "Reconciler", "ReconcilerPolicy"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReconcilerPolicy:
+    lease: timedelta = timedelta(seconds=60)
+    batch_size: int = 50
+    not_found_grace: timedelta = timedelta(seconds=60)  # providers are eventually consistent
+    # Re-submit only while the provider's key window still covers us, with this margin.
+    window_margin: timedelta = timedelta(minutes=10)
+    base_delay: float = 2.0
+    max_delay: float = 300.0
+    max_checks: int = 20
+    max_unknown_age: timedelta = timedelta(hours=24)
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.max_checks < 1 or self.base_delay <= 0:
+            raise ConfigurationError("reconciler policy: batch, checks and delays must be > 0")
+
+
+@dataclass
+class ReconcileReport:
+    picked: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    released: int = 0
+
+    def add(self, what: str) -> None:
+        self.outcomes[what] += 1
+
+    def merge(self, other: ReconcileReport) -> None:
+        self.picked += other.picked
+        self.outcomes.update(other.outcomes)
+        self.released += other.released
+
+
+class Reconciler:
+    def __init__(
+        self,
+        *,
+        store: Store,
+        providers: Iterable[Provider],
+        policy: ReconcilerPolicy | None = None,
+        owner: str | None = None,
+        submit_retry: RetryPolicy | None = None,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
+        self.store = store
+        self.providers = {p.name: p for p in providers}
+        self.policy = policy or ReconcilerPolicy()
+        self.owner = owner or default_owner("reconciler")
+        self.submit_retry = submit_retry or RetryPolicy(max_attempts=1)
+        self._rand = rand
+        for p in self.providers.values():
+            if self.policy.lease < p.max_call_duration * 2 + timedelta(seconds=1):
+                raise ConfigurationError(
+                    f"reconciler lease {self.policy.lease.total_seconds():g}s cannot cover a "
+                    f"status query and a re-submission on {p.name!r}"
+                )
+
+    # -- one pass ---------------------------------------------------------------------
+
+    def reconcile_once(self, stop: threading.Event | None = None) -> ReconcileReport:
+        """Lease one batch of due operations and settle what evidence allows."""
+        report = ReconcileReport()
+        batch = self.store.claim_due(
+            owner=self.owner, lease=self.policy.lease, limit=self.policy.batch_size
+        )
+        report.picked = len(batch)
+        for i, (record, now) in enumerate(batch):
+            if stop is not None and stop.is_set():
+                # Graceful stop: hand the rest back untouched instead of sitting on leases.
+                for rest, _ in batch[i:]:
+                    self.store.release(rest)
+                    report.released += 1
+                break
+            try:
+                report.add(self.check(record, now))
+            except StaleVersion:
+                report.add("lost_race")
+        return report
+
+    def run_until_idle(self, max_passes: int = 100) -> ReconcileReport:
+        """Repeat passes until nothing is due (bounded); for tests, the demo and the CLI."""
+        total = ReconcileReport()
+        for _ in range(max_passes):
+            report = self.reconcile_once()
+            total.merge(report)
+            if report.picked == 0:
+                break
+        return total
+
+    # -- one operation ----------------------------------------------------------------
+
+    def check(self, record: OperationRecord, now: datetime) -> str:
+        """Settle one leased operation from evidence; returns what happened (for reports)."""
+        if record.state is State.IN_PROGRESS and not record.possibly_sent:
+            self._finish(
+                record,
+                State.FAILED_FINAL,
+                kind="abandoned",
+                detail={"reason": "lease expired and no attempt was possibly sent"},
+                response={
+                    "status": "failed",
+                    "http_status": 503,
+                    "code": "abandoned",
+                    "message": "no request reached the provider",
+                },
+                error_code="abandoned",
+                resolution="abandoned",
+            )
+            return "abandoned"
+        provider = self.providers.get(record.provider)
+        if provider is None:
+            self._reschedule(record, now, kind="check", detail={"error": "provider not configured"})
+            return "no_provider"
+        started = time.monotonic()
+        answer = provider.query_status(
+            StatusQuery(
+                tenant_id=record.tenant_id,
+                operation=record.operation,
+                operation_id=record.id,
+                downstream_key=record.downstream_key,
+                provider_reference=record.provider_reference,
+                payload=record.request or {},
+            )
+        )
+        detail = {
+            "query": "status",
+            "duration_ms": round((time.monotonic() - started) * 1000, 1),
+            **answer.evidence(),
+        }
+        if answer.kind is AnswerKind.SUCCEEDED:
+            self._finish(
+                record,
+                State.SUCCEEDED,
+                kind="status_query",
+                detail=detail,
+                response={
+                    "status": "succeeded",
+                    "http_status": 200,
+                    "provider_reference": answer.provider_reference,
+                    "provider_response": dict(answer.body) if answer.body else None,
+                },
+                provider_reference=answer.provider_reference,
+                resolution="status_query",
+            )
+            return "succeeded"
+        if answer.kind is AnswerKind.DECLINED:
+            self._finish(
+                record,
+                State.FAILED_FINAL,
+                kind="status_query",
+                detail=detail,
+                response={
+                    "status": "failed",
+                    "http_status": 402,
+                    "code": answer.code,
+                    "provider_reference": answer.provider_reference,
+                },
+                provider_reference=answer.provider_reference,
+                error_code=answer.code or "declined",
+                resolution="status_query",
+            )
+            return "failed_final"
+        if answer.kind is AnswerKind.NOT_FOUND:
+            return self._not_found(record, now, provider, detail)
+        # PENDING, or the provider is unavailable (AMBIGUOUS / NOT_SENT): look again later.
+        what = "pending" if answer.kind is AnswerKind.PENDING else "provider_unavailable"
+        self._reschedule(
+            record, now, kind="status_query", detail=detail, reference=answer.provider_reference
+        )
+        return what
+
+    def _not_found(
+        self, record: OperationRecord, now: datetime, provider: Provider, detail: dict[str, Any]
+    ) -> str:
+        age = now - record.created_at
+        if age < self.policy.not_found_grace:
+            detail["decision"] = "not found within the grace period: wait"
+            self._reschedule(record, now, kind="status_query", detail=detail)
+            return "not_found_waiting"
+        window = provider.idempotency_window
+        reason = None
+        if window is None:
+            reason = "provider honours no idempotency key: never re-send"
+        elif age > window - self.policy.window_margin:
+            reason = "past the provider's idempotency window: re-sending could charge twice"
+        elif record.request is None or REDACTED in record.request.values():
+            reason = "stored request is incomplete (redacted): cannot re-send"
+        if reason is not None:
+            detail["decision"] = f"escalate: {reason}"
+            self._reschedule(record, now, kind="status_query", detail=detail, attention=True)
+            return "escalated"
+        detail["decision"] = "not found after grace, within the key window: re-submit"
+        moved = self.store.transition(
+            record,
+            State.IN_PROGRESS,
+            kind="resubmit",
+            actor=self.owner,
+            detail=detail,
+            lease=self.policy.lease,
+            lease_owner=self.owner,
+            possibly_sent=True,
+            attempts_delta=1,
+            checks_delta=1,
+        )
+        final = submit_and_record(
+            self.store,
+            provider,
+            moved,
+            dict(record.request or {}),
+            owner=self.owner,
+            lease=self.policy.lease,
+            retry=self.submit_retry,
+            actor_kind="resubmission",
+            not_sent_is_final=False,
+        )
+        return f"resubmitted_{final.state.value}"
+
+    # -- writes -----------------------------------------------------------------------
+
+    def _finish(
+        self,
+        record: OperationRecord,
+        state: State,
+        *,
+        kind: str,
+        detail: Mapping[str, Any],
+        response: Mapping[str, Any],
+        resolution: str,
+        provider_reference: str | None = None,
+        error_code: str | None = None,
+    ) -> None:
+        extra: dict[str, Any] = {}
+        if provider_reference is not None:
+            extra["provider_reference"] = provider_reference
+        self.store.transition(
+            record,
+            state,
+            kind=kind,
+            actor=self.owner,
+            detail=detail,
+            response=response,
+            error_code=error_code,
+            resolution=resolution,
+            checks_delta=1,
+            **extra,
+        )
+
+    def _reschedule(
+        self,
+        record: OperationRecord,
+        now: datetime,
+        *,
+        kind: str,
+        detail: dict[str, Any],
+        reference: str | None = None,
+        attention: bool = False,
+    ) -> None:
+        checks = record.checks + 1
+        delay = backoff_delay(
+            checks,
+            base=self.policy.base_delay,
+            cap=self.policy.max_delay,
+            rand=self._rand,
+            floor=self.policy.base_delay,
+        )
+        too_old = now - record.created_at >= self.policy.max_unknown_age
+        flag = attention or record.needs_attention or checks >= self.policy.max_checks or too_old
+        if flag and not record.needs_attention:
+            detail["needs_attention"] = (
+                "escalated" if attention else f"{checks} checks / age {now - record.created_at}"
+            )
+        extra: dict[str, Any] = {}
+        if reference is not None:
+            extra["provider_reference"] = reference
+        self.store.transition(
+            record,
+            State.OUTCOME_UNKNOWN,
+            kind=kind,
+            actor=self.owner,
+            detail=detail,
+            next_check_in=timedelta(seconds=delay),
+            checks_delta=1,
+            needs_attention=flag,
+            **extra,
+        )

@@ -1,0 +1,323 @@
+"""The sandbox acquirer's adapter: implements :class:`orchestrator.provider.Provider`.
+
+Every httpx exception is caught here, once, and classified by
+:func:`orchestrator.provider.answer_from_transport_error`; nothing from httpx escapes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from standardwebhooks.webhooks import (
+    EmptyWebhookSecretError,
+    Webhook,
+    WebhookVerificationError,
+)
+
+from orchestrator.errors import (
+    ConfigurationError,
+    ProviderIdempotencyError,
+    WebhookMalformed,
+    WebhookSignatureInvalid,
+)
+from orchestrator.provider import (
+    Answer,
+    AnswerKind,
+    StatusQuery,
+    SubmitRequest,
+    WebhookEvent,
+    answer_from_http_status,
+    answer_from_transport_error,
+    bounded_raw,
+    call_budget,
+    parse_retry_after,
+)
+
+__all__ = ["DEFAULT_TIMEOUT", "SandboxProvider"]
+
+DEFAULT_TIMEOUT = httpx.Timeout(connect=2.0, read=5.0, write=5.0, pool=2.0)
+
+_EFFECT_KINDS = {
+    "succeeded": AnswerKind.SUCCEEDED,
+    "declined": AnswerKind.DECLINED,
+    "processing": AnswerKind.PENDING,
+}
+_EVENT_KINDS = {
+    "effect.succeeded": AnswerKind.SUCCEEDED,
+    "effect.declined": AnswerKind.DECLINED,
+    "effect.processing": AnswerKind.PENDING,
+}
+# When one key has several effects (it was reused past the window), money that moved wins.
+_PRECEDENCE = {AnswerKind.SUCCEEDED: 0, AnswerKind.PENDING: 1, AnswerKind.DECLINED: 2}
+
+
+def _json_object(content: bytes) -> dict[str, Any] | None:
+    try:
+        parsed = json.loads(content)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def _error_of(body: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    error = body.get("error") if body is not None else None
+    return error if isinstance(error, Mapping) else {}
+
+
+def _str_or_none(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+class SandboxProvider:
+    """Talks to :class:`providers.sandbox.SandboxServer` (or anything with its API)."""
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        webhook_secret: str | None = None,
+        idempotency_window: timedelta | None = timedelta(hours=24),
+        timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+        client: httpx.Client | None = None,
+        transport: httpx.BaseTransport | None = None,
+        name: str = "sandbox",
+    ) -> None:
+        self._max_call_duration = call_budget(timeout)  # refuses a time-out phase left None
+        if client is not None and transport is not None:
+            raise ValueError("pass client or transport, not both")
+        try:
+            parsed = httpx.URL(base_url)
+        except httpx.InvalidURL as exc:
+            raise ConfigurationError(f"invalid sandbox base_url {base_url!r}") from exc
+        port_ok = parsed.port is None or 0 < parsed.port < 65536
+        if parsed.scheme not in ("http", "https") or not parsed.host or not port_ok:
+            raise ConfigurationError(
+                f"sandbox base_url must be http(s)://host[:port], not {base_url!r}"
+            )
+        self._base_url = base_url.rstrip("/")
+        self._timeout = timeout
+        self._idempotency_window = idempotency_window
+        self._name = name
+        self._webhook: Webhook | None = None
+        if webhook_secret is not None:
+            try:
+                self._webhook = Webhook(webhook_secret)
+            except (ValueError, EmptyWebhookSecretError) as exc:  # ValueError: bad base64
+                raise ConfigurationError("the sandbox webhook secret is not valid") from exc
+        self._owns_client = client is None
+        # The time-out is also passed on every request, so a caller's client cannot loosen it.
+        self._client = client or httpx.Client(timeout=timeout, transport=transport)
+
+    # -- Provider --------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def idempotency_window(self) -> timedelta | None:
+        return self._idempotency_window
+
+    @property
+    def max_call_duration(self) -> timedelta:
+        return self._max_call_duration
+
+    def submit(self, request: SubmitRequest) -> Answer:
+        payload = dict(request.payload)
+        extra = payload.get("metadata")
+        metadata = dict(extra) if isinstance(extra, Mapping) else {}
+        metadata.update(operation_id=request.operation_id, tenant_id=request.tenant_id)
+        payload["metadata"] = metadata
+        url = f"{self._base_url}/v1/operations/{quote(request.operation, safe='')}"
+        try:
+            response = self._client.post(
+                url,
+                json=payload,
+                headers={"Idempotency-Key": request.downstream_key},
+                timeout=self._timeout,
+            )
+        except httpx.HTTPError as exc:
+            return answer_from_transport_error(exc)
+        return self._classify_submit(response, request)
+
+    def query_status(self, query: StatusQuery) -> Answer:
+        if query.provider_reference:
+            url = f"{self._base_url}/v1/effects/{quote(query.provider_reference, safe='')}"
+            params: dict[str, str] = {}
+        else:
+            url = f"{self._base_url}/v1/effects"
+            params = {"idempotency_key": query.downstream_key}
+        try:
+            response = self._client.get(url, params=params, timeout=self._timeout)
+        except httpx.HTTPError as exc:
+            # NOT_SENT or AMBIGUOUS: for a read both only mean "unavailable, ask later".
+            return answer_from_transport_error(exc)
+        return self._classify_query(response, by_reference=bool(query.provider_reference))
+
+    def parse_webhook(self, headers: Mapping[str, str], body: bytes) -> WebhookEvent:
+        if self._webhook is None:
+            raise ConfigurationError("no webhook secret configured for the sandbox provider")
+        lowered = {k.lower(): v for k, v in headers.items()}
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise WebhookSignatureInvalid("webhook body is not UTF-8; cannot verify") from exc
+        try:
+            self._webhook.verify(text, lowered, json_parse=False)
+        except (WebhookVerificationError, ValueError) as exc:
+            # ValueError: a malformed signature list or base64 inside the header.
+            raise WebhookSignatureInvalid(f"webhook signature rejected: {exc}") from exc
+        try:
+            event = json.loads(text)
+        except ValueError as exc:
+            raise WebhookMalformed("webhook body is not JSON") from exc
+        return self._event_from(event, lowered)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._owns_client:
+            self._client.close()
+
+    def __enter__(self) -> SandboxProvider:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- classification --------------------------------------------------------------------
+
+    def _classify_submit(self, response: httpx.Response, request: SubmitRequest) -> Answer:
+        status = response.status_code
+        content = response.content
+        body = _json_object(content)
+        evidence: dict[str, Any] = {
+            "status_code": status,
+            "body": body,
+            "raw": None if body is not None else bounded_raw(content),
+        }
+        shared = answer_from_http_status(
+            status, retry_after=response.headers.get("retry-after"), raw=content
+        )
+        if shared is not None:
+            return replace(shared, body=body, raw=evidence["raw"])
+        if 200 <= status < 300:
+            return self._from_effect(body, evidence)
+        error = _error_of(body)
+        code = _str_or_none(error.get("code"))
+        message = _str_or_none(error.get("message"))
+        if status == 400 and code == "idempotency_key_reused":
+            raise ProviderIdempotencyError(
+                "the sandbox saw this downstream key with another request",
+                operation_id=request.operation_id,
+            )
+        if status == 409 and code == "request_in_progress":
+            # Our own earlier attempt is still executing there: this one did nothing.
+            return Answer(
+                kind=AnswerKind.NOT_SENT,
+                retry_after=parse_retry_after(response.headers.get("retry-after")),
+                code=code,
+                message=message,
+                **evidence,
+            )
+        if 400 <= status < 500:
+            decline_code = _str_or_none(error.get("decline_code"))
+            return Answer(
+                kind=AnswerKind.DECLINED,
+                provider_reference=_str_or_none(error.get("effect_id")),
+                code=decline_code or code or f"http_{status}",
+                message=message,
+                **evidence,
+            )
+        # 1xx / 3xx: not an answer we understand; possibly sent.
+        return Answer(kind=AnswerKind.AMBIGUOUS, code=f"http_{status}", **evidence)
+
+    def _classify_query(self, response: httpx.Response, *, by_reference: bool) -> Answer:
+        status = response.status_code
+        content = response.content
+        body = _json_object(content)
+        evidence: dict[str, Any] = {
+            "status_code": status,
+            "body": body,
+            "raw": None if body is not None else bounded_raw(content),
+        }
+        shared = answer_from_http_status(
+            status, retry_after=response.headers.get("retry-after"), raw=content
+        )
+        if shared is not None:
+            return replace(shared, body=body, raw=evidence["raw"])
+        if status == 404 and by_reference:
+            return Answer(kind=AnswerKind.NOT_FOUND, code="resource_missing", **evidence)
+        if status != 200 or body is None:
+            # A read that failed oddly is not evidence of anything.
+            return Answer(kind=AnswerKind.AMBIGUOUS, code=f"http_{status}", **evidence)
+        if by_reference:
+            return self._from_effect(body, evidence)
+        return self._from_listing(body, evidence)
+
+    def _from_listing(self, body: Mapping[str, Any], evidence: dict[str, Any]) -> Answer:
+        data = body.get("data")
+        if not isinstance(data, list):
+            return Answer(kind=AnswerKind.AMBIGUOUS, code="unexpected_body", **evidence)
+        if not data:
+            return Answer(kind=AnswerKind.NOT_FOUND, **evidence)
+        answers = [self._from_effect(e if isinstance(e, dict) else None, evidence) for e in data]
+        best = min(answers, key=lambda a: _PRECEDENCE.get(a.kind, len(_PRECEDENCE)))
+        if len(data) > 1:
+            # The key was reused past the window: more than one effect. Say so in evidence.
+            return replace(best, message=f"{len(data)} effects for this key")
+        return best
+
+    @staticmethod
+    def _from_effect(effect: Mapping[str, Any] | None, evidence: dict[str, Any]) -> Answer:
+        """SUCCEEDED / DECLINED / PENDING from an effect; AMBIGUOUS if it is not one."""
+        effect_id = _str_or_none(effect.get("id")) if effect is not None else None
+        status = _str_or_none(effect.get("status")) if effect is not None else None
+        if effect is None or effect_id is None or status is None:
+            return Answer(kind=AnswerKind.AMBIGUOUS, code="unexpected_body", **evidence)
+        kind = _EFFECT_KINDS.get(status, AnswerKind.AMBIGUOUS)
+        code = None
+        if kind is AnswerKind.DECLINED:
+            code = _str_or_none(effect.get("decline_code")) or "declined"
+        elif kind is AnswerKind.AMBIGUOUS:
+            code = f"unexpected_status:{status}"[:64]
+        return Answer(kind=kind, provider_reference=effect_id, code=code, **evidence)
+
+    def _event_from(self, event: object, headers: Mapping[str, str]) -> WebhookEvent:
+        if not isinstance(event, dict) or not _str_or_none(event.get("type")):
+            raise WebhookMalformed("webhook body is not a sandbox event")
+        event_type: str = event["type"]
+        data = event.get("data")
+        outcome = _EVENT_KINDS.get(event_type)
+        if outcome is not None and (not isinstance(data, dict) or not _str_or_none(data.get("id"))):
+            raise WebhookMalformed(f"{event_type} event without an effect")
+        effect: Mapping[str, Any] = data if isinstance(data, dict) else {}
+        metadata = effect.get("metadata")
+        created = event.get("created")
+        occurred_at = None
+        if isinstance(created, int | float) and not isinstance(created, bool):
+            try:
+                occurred_at = datetime.fromtimestamp(created, tz=UTC)
+            except (OverflowError, OSError, ValueError):
+                occurred_at = None
+        event_id = headers.get("webhook-id") or _str_or_none(event.get("id"))
+        if event_id is None:  # verify() requires webhook-id, so this is only defensive
+            raise WebhookMalformed("webhook without an event id")
+        return WebhookEvent(
+            event_id=event_id,
+            event_type=event_type,
+            outcome=outcome,
+            provider_reference=_str_or_none(effect.get("id")),
+            downstream_key=_str_or_none(effect.get("idempotency_key")),
+            operation_id=(
+                _str_or_none(metadata.get("operation_id")) if isinstance(metadata, dict) else None
+            ),
+            occurred_at=occurred_at,
+            body=event,
+        )

@@ -1,0 +1,321 @@
+"""The reconciler drives unknown and abandoned operations to the truth, from evidence only."""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import threading
+from collections import Counter
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+import workers
+from conftest import FAST_TIMEOUT, RecordingSleep, age, make_due
+
+from orchestrator.core import State
+from orchestrator.daemon import ReconcilerDaemon
+from orchestrator.executor import Executor
+from orchestrator.operations import default_registry
+from orchestrator.reconciler import Reconciler, ReconcileReport, ReconcilerPolicy
+from orchestrator.store import Store
+from orchestrator.tables import events, operations
+from providers.sandbox import SandboxProvider, SandboxServer
+
+PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
+MONEY = ("succeeded", "processing")
+
+
+def effects(sandbox: SandboxServer, op_id: str) -> int:
+    return len([e for e in sandbox.effects_for(op_id) if e["status"] in MONEY])
+
+
+def reconciler(store: Store, provider: SandboxProvider, **policy: Any) -> Reconciler:
+    return Reconciler(
+        store=store,
+        providers=[provider],
+        policy=ReconcilerPolicy(lease=timedelta(seconds=30), **policy),
+        owner="test-reconciler",
+    )
+
+
+def unknown_after(executor: Executor, sandbox: SandboxServer, fault: str, key: str = "k1") -> str:
+    sandbox.inject(fault)
+    outcome = executor.execute(
+        tenant_id="shop", operation="payment.create", idempotency_key=key, request=PAYMENT
+    )
+    assert outcome.state is State.OUTCOME_UNKNOWN
+    return outcome.operation_id
+
+
+def test_nothing_due_is_left_alone(
+    executor: Executor, sandbox: SandboxServer, store: Store, sandbox_provider: SandboxProvider
+) -> None:
+    op_id = unknown_after(executor, sandbox, "drop_after")
+    report = reconciler(store, sandbox_provider).reconcile_once()
+    assert report.picked == 0  # its first check is not due yet
+    assert store.get("shop", op_id).state is State.OUTCOME_UNKNOWN
+
+
+def test_dropped_response_resolved_succeeded_by_status_query(
+    executor: Executor, sandbox: SandboxServer, store: Store, sandbox_provider: SandboxProvider
+) -> None:
+    op_id = unknown_after(executor, sandbox, "drop_after")
+    make_due(store, op_id)
+    report = reconciler(store, sandbox_provider).reconcile_once()
+    assert report.outcomes == Counter({"succeeded": 1})
+    record = store.get("shop", op_id)
+    assert record.state is State.SUCCEEDED and record.resolution == "status_query"
+    assert record.provider_reference is not None
+    assert effects(sandbox, op_id) == 1
+    last = store.events("shop", op_id)[-1]
+    assert last.kind == "status_query" and last.to_state == "succeeded"
+    # The client's retry now replays the resolved outcome.
+    again = executor.execute(
+        tenant_id="shop", operation="payment.create", idempotency_key="k1", request=PAYMENT
+    )
+    assert again.replayed and again.state is State.SUCCEEDED
+
+
+@pytest.mark.slow
+def test_sigkill_crash_window_is_closed_by_the_reconciler(
+    db_url: str, sandbox: SandboxServer, store: Store, sandbox_provider: SandboxProvider
+) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=workers.execute_then_die, args=(db_url, sandbox.url, "crash-2"))
+    proc.start()
+    proc.join(timeout=60)
+    assert proc.exitcode == -signal.SIGKILL
+    record = store.get_by_namespace("shop", "payment.create", "crash-2")
+    assert record.state is State.IN_PROGRESS
+    make_due(store, record.id)  # the dead worker's lease expires
+    reconciler(store, sandbox_provider).reconcile_once()
+    record = store.get("shop", record.id)
+    assert record.state is State.SUCCEEDED
+    assert effects(sandbox, record.id) == 1
+    last = store.events("shop", record.id)[-1]
+    assert last.kind == "status_query"
+    assert last.detail is not None and last.detail["query"] == "status"
+
+
+def test_not_found_within_grace_stays_unknown(
+    executor: Executor, sandbox: SandboxServer, store: Store, sandbox_provider: SandboxProvider
+) -> None:
+    op_id = unknown_after(executor, sandbox, "error_500_before")
+    make_due(store, op_id)
+    report = reconciler(
+        store, sandbox_provider, not_found_grace=timedelta(hours=1)
+    ).reconcile_once()
+    assert report.outcomes == Counter({"not_found_waiting": 1})
+    record = store.get("shop", op_id)
+    assert record.state is State.OUTCOME_UNKNOWN and record.checks == 1
+    assert record.next_check_at is not None
+    assert sandbox.ledger() == []
+
+
+def test_not_found_after_grace_resubmits_with_the_same_key(
+    executor: Executor, sandbox: SandboxServer, store: Store, sandbox_provider: SandboxProvider
+) -> None:
+    op_id = unknown_after(executor, sandbox, "error_500_before")
+    before = store.get("shop", op_id)
+    make_due(store, op_id)
+    age(store, op_id, timedelta(minutes=5))
+    report = reconciler(
+        store, sandbox_provider, not_found_grace=timedelta(minutes=1)
+    ).reconcile_once()
+    assert report.outcomes == Counter({"resubmitted_succeeded": 1})
+    record = store.get("shop", op_id)
+    assert record.state is State.SUCCEEDED and record.resolution == "resubmission"
+    (entry,) = sandbox.ledger()
+    assert entry["idempotency_key"] == before.downstream_key
+    kinds = [e.kind for e in store.events("shop", op_id)]
+    assert kinds[-2:] == ["resubmit", "resubmission"]
+
+
+def test_provider_without_keys_is_never_re_sent(
+    executor: Executor, sandbox: SandboxServer, store: Store
+) -> None:
+    op_id = unknown_after(executor, sandbox, "error_500_before")
+    make_due(store, op_id)
+    age(store, op_id, timedelta(hours=1))
+    keyless = SandboxProvider(base_url=sandbox.url, idempotency_window=None, timeout=FAST_TIMEOUT)
+    with keyless:
+        report = reconciler(store, keyless, not_found_grace=timedelta(0)).reconcile_once()
+    assert report.outcomes == Counter({"escalated": 1})
+    record = store.get("shop", op_id)
+    assert record.state is State.OUTCOME_UNKNOWN and record.needs_attention
+    assert sandbox.ledger() == []
+
+
+def test_past_the_key_window_is_escalated_not_re_sent(
+    executor: Executor, sandbox: SandboxServer, store: Store, sandbox_provider: SandboxProvider
+) -> None:
+    op_id = unknown_after(executor, sandbox, "error_500_before")
+    make_due(store, op_id)
+    age(store, op_id, timedelta(hours=30))  # the sandbox honours keys for 24 h
+    report = reconciler(store, sandbox_provider, not_found_grace=timedelta(0)).reconcile_once()
+    assert report.outcomes == Counter({"escalated": 1})
+    assert store.get("shop", op_id).needs_attention
+    assert sandbox.ledger() == []
+
+
+def test_abandoned_in_progress_fails_without_asking_the_provider(
+    store: Store, sandbox: SandboxServer, sandbox_provider: SandboxProvider
+) -> None:
+    new = (
+        default_registry("sandbox")
+        .prepare(tenant_id="shop", operation="payment.create", idempotency_key="a", request=PAYMENT)
+        .new
+    )
+    claimed = store.claim(new, owner="gone", lease=timedelta(seconds=30), possibly_sent=False)
+    make_due(store, claimed.operation.id)
+    report = reconciler(store, sandbox_provider).reconcile_once()
+    assert report.outcomes == Counter({"abandoned": 1})
+    record = store.get("shop", claimed.operation.id)
+    assert record.state is State.FAILED_FINAL and record.error_code == "abandoned"
+    assert sandbox.ledger() == []
+
+
+def test_provider_unavailable_backs_off_and_flags_after_max_checks(
+    executor: Executor, sandbox: SandboxServer, store: Store
+) -> None:
+    op_id = unknown_after(executor, sandbox, "drop_after")
+    down = SandboxProvider(base_url="http://127.0.0.1:9", timeout=FAST_TIMEOUT)
+    rec = reconciler(store, down, max_checks=3)
+    with down:
+        for check in range(1, 4):
+            make_due(store, op_id)
+            report = rec.reconcile_once()
+            assert report.outcomes == Counter({"provider_unavailable": 1})
+            record = store.get("shop", op_id)
+            assert record.state is State.OUTCOME_UNKNOWN and record.checks == check
+            assert record.needs_attention is (check >= 3)
+
+
+def test_pending_stays_unknown_until_settled(
+    executor: Executor, sandbox: SandboxServer, store: Store, sandbox_provider: SandboxProvider
+) -> None:
+    op_id = unknown_after(executor, sandbox, "pending")
+    make_due(store, op_id)
+    rec = reconciler(store, sandbox_provider)
+    assert rec.reconcile_once().outcomes == Counter({"pending": 1})
+    (entry,) = sandbox.effects_for(op_id)
+    sandbox.settle(entry["id"])
+    make_due(store, op_id)
+    assert rec.reconcile_once().outcomes == Counter({"succeeded": 1})
+    assert effects(sandbox, op_id) == 1
+
+
+def test_stop_flag_releases_the_batch_untouched(
+    executor: Executor, sandbox: SandboxServer, store: Store, sandbox_provider: SandboxProvider
+) -> None:
+    ids = [unknown_after(executor, sandbox, "drop_after", key=f"k{i}") for i in range(3)]
+    for op_id in ids:
+        make_due(store, op_id)
+    stop = threading.Event()
+    stop.set()
+    report = reconciler(store, sandbox_provider).reconcile_once(stop=stop)
+    assert report.picked == 3 and report.released == 3 and not report.outcomes
+    for op_id in ids:
+        record = store.get("shop", op_id)
+        assert record.state is State.OUTCOME_UNKNOWN and record.lease_owner is None
+    assert reconciler(store, sandbox_provider).reconcile_once().outcomes == Counter(
+        {"succeeded": 3}
+    )
+
+
+def test_daemon_runs_passes_until_stopped(
+    executor: Executor, sandbox: SandboxServer, store: Store, sandbox_provider: SandboxProvider
+) -> None:
+    op_id = unknown_after(executor, sandbox, "drop_after")
+    make_due(store, op_id)
+    settled = threading.Event()
+
+    def on_report(report: ReconcileReport) -> None:
+        if report.outcomes.get("succeeded"):
+            settled.set()
+
+    daemon = ReconcilerDaemon(
+        reconciler(store, sandbox_provider), interval=timedelta(seconds=0.05), on_report=on_report
+    )
+    daemon.start()
+    try:
+        assert settled.wait(timeout=30)
+    finally:
+        daemon.stop()
+    assert store.get("shop", op_id).state is State.SUCCEEDED
+    assert daemon.total.outcomes["succeeded"] == 1
+
+
+@pytest.mark.slow
+def test_two_reconciler_processes_over_500_due_operations(
+    postgres_url: str, sandbox: SandboxServer, sandbox_provider: SandboxProvider
+) -> None:
+    store = Store.from_url(postgres_url)
+    try:
+        ex = Executor(
+            store=store,
+            providers=[sandbox_provider],
+            registry=default_registry("sandbox"),
+            lease=timedelta(seconds=30),
+            sleep=RecordingSleep(),
+        )
+        sandbox.inject("error_500_after", times=500)
+        ids = [
+            ex.execute(
+                tenant_id="shop",
+                operation="payment.create",
+                idempotency_key=f"bulk-{i}",
+                request=PAYMENT,
+            ).operation_id
+            for i in range(500)
+        ]
+        with store.engine.begin() as conn:
+            conn.execute(
+                sa.update(operations).values(
+                    next_check_at=sa.func.now() - sa.text("interval '1 hour'")
+                )
+            )
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(2) as pool:
+            reports = pool.starmap(
+                workers.reconcile_until_idle, [(postgres_url, sandbox.url, w) for w in range(2)]
+            )
+        assert sum(r["succeeded"] for r in reports) == 500
+        assert all(r["succeeded"] > 0 for r in reports)  # both did real work
+        with store.engine.connect() as conn:
+            states = Counter(
+                s
+                for (s,) in conn.execute(
+                    sa.select(operations.c.state).where(operations.c.id.in_(ids))
+                )
+            )
+            queries = Counter(
+                op
+                for (op,) in conn.execute(
+                    sa.select(events.c.operation_id).where(events.c.kind == "status_query")
+                )
+            )
+        assert states == Counter({"succeeded": 500})
+        assert set(queries) == set(ids) and set(queries.values()) == {1}
+        assert sum(effects(sandbox, i) for i in ids) == 500
+    finally:
+        store.close()
+
+
+def test_a_refused_resubmission_stays_unknown_and_is_tried_again(
+    executor: Executor, sandbox: SandboxServer, store: Store, sandbox_provider: SandboxProvider
+) -> None:
+    op_id = unknown_after(executor, sandbox, "error_500_before")
+    make_due(store, op_id)
+    age(store, op_id, timedelta(minutes=5))
+    rec = reconciler(store, sandbox_provider, not_found_grace=timedelta(minutes=1))
+    sandbox.inject("rate_limit")
+    assert rec.reconcile_once().outcomes == Counter({"resubmitted_outcome_unknown": 1})
+    record = store.get("shop", op_id)
+    assert record.state is State.OUTCOME_UNKNOWN and record.possibly_sent
+    assert sandbox.ledger() == []
+    make_due(store, op_id)
+    assert rec.reconcile_once().outcomes == Counter({"resubmitted_succeeded": 1})
+    assert effects(sandbox, op_id) == 1

@@ -77,10 +77,14 @@ class Reconciler:
         self.submit_retry = submit_retry or RetryPolicy(max_attempts=1)
         self._rand = rand
         for p in self.providers.values():
-            if self.policy.lease < p.max_call_duration * 2 + timedelta(seconds=1):
+            # A check may cost three calls: a lookup by metadata, a read by reference, and
+            # a re-submission. The lease must cover them all.
+            needed = p.max_call_duration * 3 + timedelta(seconds=1)
+            if self.policy.lease < needed:
                 raise ConfigurationError(
-                    f"reconciler lease {self.policy.lease.total_seconds():g}s cannot cover a "
-                    f"status query and a re-submission on {p.name!r}"
+                    f"reconciler lease {self.policy.lease.total_seconds():g}s cannot cover "
+                    f"one check on {p.name!r} ({needed.total_seconds():g}s: three calls of "
+                    f"{p.max_call_duration.total_seconds():g}s); raise the lease"
                 )
 
     # -- one pass ---------------------------------------------------------------------

@@ -269,3 +269,23 @@ def test_sigkill_after_commit_leaves_in_progress_and_one_effect(
     assert record.state is State.IN_PROGRESS
     assert record.lease_expires_at is not None and record.possibly_sent
     assert len(money_effects(sandbox, record.id)) == 1
+
+
+def test_an_unparsable_answer_is_unknown_with_bounded_raw_evidence(store: Store) -> None:
+    import httpx
+
+    page = "<html>" + "x" * 10_000 + "</html>"
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=page))
+    with SandboxProvider(base_url="http://127.0.0.1:1", transport=transport) as odd:
+        ex = Executor(
+            store=store,
+            providers=[odd],
+            registry=default_registry("sandbox"),
+            lease=timedelta(seconds=60),
+            sleep=RecordingSleep(),
+        )
+        outcome = run(ex)
+    assert outcome.state is State.OUTCOME_UNKNOWN
+    evidence = store.events("shop", outcome.operation_id)[-1].detail
+    assert evidence is not None and evidence["kind"] == "ambiguous"
+    assert evidence["raw"].startswith("<html>") and len(evidence["raw"]) <= 4096

@@ -1,38 +1,83 @@
 """The ``payorch`` command: operators' tools, the reconciler daemon and the demo.
 
-Exit codes: 0 ok, 1 not found or refused, 2 usage. A user mistake is one line on stderr,
-never a traceback.
+Exit codes: 0 ok, 1 not found or refused (payorch errors, database unreachable, a "no" at a
+confirmation), 2 usage (unknown option, missing or malformed value). Every error is one
+line on stderr, never a traceback.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import sys
+from collections.abc import Sequence
+from typing import Annotated, Any, NoReturn
 
 import typer
-from rich.console import Console
+from sqlalchemy import exc as sa_exc
 from typer.core import TyperGroup
 
 from orchestrator import migrate
+from orchestrator.db import map_db_error
 from orchestrator.errors import PayorchError
-from orchestrator.settings import Settings
+
+from .keys import keys_app
+from .ops import ops_app
+from .reconcile import reconcile_app
+from .runtime import DatabaseUrl, database_url, err, out
+from .sandbox import sandbox_app
+from .stats import stats_cmd
 
 __all__ = ["app", "main"]
 
 
+def _one_line(message: str) -> None:
+    err().print(f"error: {' '.join(message.split())}", markup=False, highlight=False)
+
+
+def _usage_exit(exc: typer.TyperException) -> NoReturn:
+    # Typer's own rendering is a multi-line box; operators and scripts get one line.
+    if type(exc).__name__ != "NoArgsIsHelpError":  # that one has printed the help already
+        _one_line(f"{exc.format_message()} (see --help)")
+    sys.exit(exc.exit_code)
+
+
 class _Group(TyperGroup):
-    """Turns payorch's own errors into one line on stderr and exit code 1."""
+    """One line on stderr for every error: payorch's own and the database's exit 1."""
 
     def invoke(self, ctx: Any) -> Any:
         try:
             return super().invoke(ctx)
         except PayorchError as exc:
-            err.print(
-                f"error: {' '.join(exc.message.split())}",
-                markup=False,
-                highlight=False,
-                soft_wrap=True,
-            )
+            _one_line(exc.message)
             raise typer.Exit(1) from None
+        except sa_exc.SQLAlchemyError as exc:
+            # Reads that bypass run_in_transaction raise SQLAlchemy's errors unmapped.
+            _one_line(map_db_error(exc).message)
+            raise typer.Exit(1) from None
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        windows_expand_args: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:
+            return super().main(
+                args, prog_name, complete_var, standalone_mode, windows_expand_args, **extra
+            )
+        try:
+            result = super().main(
+                args, prog_name, complete_var, False, windows_expand_args, **extra
+            )
+        except typer.TyperException as exc:  # usage errors: exit 2
+            _usage_exit(exc)
+        except typer.Abort:
+            _one_line("aborted")
+            sys.exit(1)
+        # Without standalone mode an explicit Exit comes back as its code.
+        sys.exit(result if isinstance(result, int) else 0)
 
 
 app = typer.Typer(
@@ -45,22 +90,11 @@ app = typer.Typer(
 )
 db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
 app.add_typer(db_app, name="db")
-
-out = Console()
-err = Console(stderr=True)
-
-DatabaseUrl = Annotated[
-    str | None,
-    typer.Option(
-        "--database-url",
-        help="SQLAlchemy URL; defaults to PAYORCH_DATABASE_URL, else sqlite:///payorch.db.",
-        show_default=False,
-    ),
-]
-
-
-def database_url(value: str | None) -> str:
-    return value or Settings().database_url
+app.add_typer(ops_app, name="ops")
+app.add_typer(keys_app, name="keys")
+app.add_typer(reconcile_app, name="reconcile")
+app.add_typer(sandbox_app, name="sandbox")
+app.command("stats")(stats_cmd)
 
 
 @db_app.command("upgrade")
@@ -68,7 +102,7 @@ def db_upgrade(database_url_: DatabaseUrl = None, revision: str = "head") -> Non
     """Apply the migrations up to REVISION (default: head)."""
     url = database_url(database_url_)
     migrate.upgrade(url, revision)
-    out.print(f"database at revision {migrate.current_revision(url)}")
+    out().print(f"database at revision {migrate.current_revision(url)}")
 
 
 @db_app.command("current")
@@ -78,7 +112,7 @@ def db_current(database_url_: DatabaseUrl = None) -> None:
     current = migrate.current_revision(url)
     head = migrate.head_revision()
     state = "up to date" if current == head else "needs `payorch db upgrade`"
-    out.print(f"current: {current or 'none'}  head: {head}  ({state})")
+    out().print(f"current: {current or 'none'}  head: {head}  ({state})")
 
 
 @app.command("demo")
@@ -90,7 +124,7 @@ def demo_cmd(
     """Run the end-to-end demo (SQLite and the loopback sandbox unless --database-url)."""
     from .demo import run_demo
 
-    ok = run_demo(database_url=database_url_, payments=payments, seed=seed, console=out)
+    ok = run_demo(database_url=database_url_, payments=payments, seed=seed, console=out())
     raise typer.Exit(0 if ok else 1)
 
 

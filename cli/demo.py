@@ -201,7 +201,7 @@ def _settle(
         store=store,
         providers=[provider],
         policy=ReconcilerPolicy(
-            lease=timedelta(seconds=10),
+            lease=timedelta(seconds=20),
             batch_size=100,
             not_found_grace=timedelta(seconds=2),
             base_delay=0.2,

@@ -14,7 +14,13 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 
 from .errors import DatabaseUnavailable, InvalidRequest, StorageError
 
-__all__ = ["create_engine", "map_db_error", "normalise_url", "run_in_transaction"]
+__all__ = [
+    "create_engine",
+    "map_db_error",
+    "normalise_url",
+    "read_in_transaction",
+    "run_in_transaction",
+]
 
 T = TypeVar("T")
 
@@ -22,6 +28,7 @@ T = TypeVar("T")
 RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
 _SQLITE_BUSY = {sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED}
 MAX_TRANSACTION_ATTEMPTS = 8
+_WRITE_OPTION = "payorch_write"
 
 
 def normalise_url(url: str | URL) -> URL:
@@ -71,7 +78,9 @@ def _configure_sqlite(engine: Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        # Writers take the lock up front; readers use WAL snapshots and never block a writer.
+        write = conn.get_execution_options().get(_WRITE_OPTION, False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
 
 def _is_retryable(err: exc.DBAPIError) -> bool:
@@ -94,12 +103,18 @@ def map_db_error(err: exc.SQLAlchemyError) -> StorageError:
     return StorageError(f"database error: {getattr(err, 'orig', err)}")
 
 
-def run_in_transaction(engine: Engine, fn: Callable[[Connection], T]) -> T:
-    """Run ``fn`` in one transaction, again from the start on serialization failure/deadlock."""
+def run_in_transaction(engine: Engine, fn: Callable[[Connection], T], *, write: bool = True) -> T:
+    """Run ``fn`` in one transaction, again from the start on serialization failure/deadlock.
+
+    ``write=False`` marks a read: on SQLite it starts a deferred transaction (a WAL
+    snapshot) instead of taking the single write lock.
+    """
     for attempt in range(MAX_TRANSACTION_ATTEMPTS):
         try:
-            with engine.begin() as conn:
-                return fn(conn)
+            with engine.connect() as conn:
+                conn.execution_options(**{_WRITE_OPTION: write})
+                with conn.begin():
+                    return fn(conn)
         except exc.DBAPIError as err:
             if _is_retryable(err) and attempt + 1 < MAX_TRANSACTION_ATTEMPTS:
                 time.sleep(random.uniform(0, 0.01 * 2**attempt))  # noqa: S311 - jitter only
@@ -108,3 +123,8 @@ def run_in_transaction(engine: Engine, fn: Callable[[Connection], T]) -> T:
         except exc.SQLAlchemyError as err:
             raise map_db_error(err) from err
     raise StorageError("transaction retries exhausted")  # pragma: no cover - loop returns/raises
+
+
+def read_in_transaction(engine: Engine, fn: Callable[[Connection], T]) -> T:
+    """A consistent read, errors mapped like writes, never holding SQLite's write lock."""
+    return run_in_transaction(engine, fn, write=False)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+import sqlalchemy as sa
+
 from .core import State, backoff_delay
 from .errors import ConfigurationError, StaleVersion
 from .executor import RetryPolicy, default_owner, submit_and_record
@@ -23,6 +25,7 @@ from .operations import REDACTED
 from .provider import AnswerKind, Provider, StatusQuery
 from .records import OperationRecord
 from .store import Store
+from .tables import db_now_plus, operations
 
 __all__ = ["ReconcileReport", "Reconciler", "ReconcilerPolicy"]
 
@@ -107,7 +110,22 @@ class Reconciler:
                 report.add(self.check(record, now))
             except StaleVersion:
                 report.add("lost_race")
+            except Exception as exc:  # noqa: BLE001 - one broken operation must not stall the rest
+                report.add(self._check_failed(record, now, exc))
         return report
+
+    def _check_failed(self, record: OperationRecord, now: datetime, exc: Exception) -> str:
+        """Record the error as an event and look again later, with backoff."""
+        detail = {"error": type(exc).__name__, "message": str(exc)[:500]}
+        try:
+            if record.state is State.OUTCOME_UNKNOWN:
+                self._reschedule(record, now, kind="check_error", detail=detail)
+            else:
+                # An in_progress operation keeps its state; the expiring lease brings it back.
+                self.store.append_event(record, kind="check_error", actor=self.owner, detail=detail)
+        except StaleVersion:
+            return "lost_race"
+        return "check_error"
 
     def run_until_idle(self, max_passes: int = 100) -> ReconcileReport:
         """Repeat passes until nothing is due (bounded); for tests, the demo and the CLI."""
@@ -211,6 +229,9 @@ class Reconciler:
             return "not_found_waiting"
         window = provider.idempotency_window
         reason = None
+        # Judge the window by the database clock now, not the batch's pick time: earlier
+        # checks in the batch may have taken long. The UPDATE below re-checks it.
+        age = self.store.db_time() - record.created_at
         if window is None:
             reason = "provider honours no idempotency key: never re-send"
         elif age > window - self.policy.window_margin:
@@ -222,6 +243,10 @@ class Reconciler:
             self._reschedule(record, now, kind="status_query", detail=detail, attention=True)
             return "escalated"
         detail["decision"] = "not found after grace, within the key window: re-submit"
+        assert window is not None
+        still_covered = operations.c.created_at > db_now_plus(
+            sa.literal(-(window - self.policy.window_margin).total_seconds())
+        )
         moved = self.store.transition(
             record,
             State.IN_PROGRESS,
@@ -233,6 +258,7 @@ class Reconciler:
             possibly_sent=True,
             attempts_delta=1,
             checks_delta=1,
+            guard=still_covered,
         )
         final = submit_and_record(
             self.store,
@@ -274,6 +300,7 @@ class Reconciler:
             error_code=error_code,
             resolution=resolution,
             checks_delta=1,
+            needs_attention=False,  # settled by evidence: nothing left for a human
             **extra,
         )
 

@@ -14,7 +14,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PAYORCH_", extra="ignore")
 
     database_url: str = "sqlite:///payorch.db"
-    lease_seconds: float = Field(default=60.0, gt=0)
+    # The reconciler's lease must cover three provider calls (a lookup, a read and a
+    # re-submission): 151 s with the Stripe adapter's default time-outs.
+    lease_seconds: float = Field(default=180.0, gt=0)
     reconcile_interval_seconds: float = Field(default=5.0, gt=0)
     reconcile_batch_size: int = Field(default=50, gt=0, le=1000)
     not_found_grace_seconds: float = Field(default=60.0, ge=0)

@@ -11,7 +11,6 @@ Times are the database's (``db_now``), so hosts with skewed clocks agree on leas
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
@@ -22,7 +21,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Engine
 
 from .core import State, check_transition, downstream_key
-from .db import create_engine, run_in_transaction
+from .db import create_engine, read_in_transaction, run_in_transaction
 from .errors import (
     IdempotencyKeyExpired,
     IdempotencyKeyReused,
@@ -32,10 +31,10 @@ from .errors import (
 )
 from .records import ClaimResult, EventRecord, NewOperation, OperationRecord
 from .tables import db_now, db_now_plus, events, operations
+from .waiting import NOTIFY_CHANNEL, wait_until_settled
 
 __all__ = ["NOTIFY_CHANNEL", "Store", "new_id"]
 
-NOTIFY_CHANNEL = "payorch_operations"
 _UNSET: Any = object()
 
 
@@ -193,75 +192,54 @@ class Store:
 
     # -- reads ------------------------------------------------------------------------
 
+    def _one(self, *where: sa.ColumnElement[bool]) -> OperationRecord | None:
+        def read(conn: Connection) -> OperationRecord | None:
+            row = conn.execute(sa.select(operations).where(*where)).mappings().first()
+            return OperationRecord.from_row(row) if row is not None else None
+
+        return read_in_transaction(self.engine, read)
+
     def get(self, tenant_id: str, operation_id: str) -> OperationRecord:
-        with self.engine.connect() as conn:
-            row = (
-                conn.execute(
-                    sa.select(operations).where(
-                        operations.c.tenant_id == tenant_id, operations.c.id == operation_id
-                    )
-                )
-                .mappings()
-                .first()
-            )
-        if row is None:
+        t = operations.c
+        found = self._one(t.tenant_id == tenant_id, t.id == operation_id)
+        if found is None:
             raise OperationNotFound(f"no operation {operation_id} for tenant {tenant_id}")
-        return OperationRecord.from_row(row)
+        return found
 
     def find(self, operation_id: str) -> OperationRecord:
         """Look an operation up by id alone (operator tools; a cross-tenant read)."""
-        with self.engine.connect() as conn:
-            row = (
-                conn.execute(sa.select(operations).where(operations.c.id == operation_id))
-                .mappings()
-                .first()
-            )
-        if row is None:
+        found = self._one(operations.c.id == operation_id)
+        if found is None:
             raise OperationNotFound(f"no operation {operation_id}")
-        return OperationRecord.from_row(row)
+        return found
 
     def get_by_namespace(self, tenant_id: str, operation: str, key: str) -> OperationRecord:
-        with self.engine.connect() as conn:
-            row = (
-                conn.execute(
-                    sa.select(operations).where(
-                        operations.c.tenant_id == tenant_id,
-                        operations.c.operation == operation,
-                        operations.c.idempotency_key == key,
-                    )
-                )
-                .mappings()
-                .first()
-            )
-        if row is None:
+        t = operations.c
+        found = self._one(
+            t.tenant_id == tenant_id, t.operation == operation, t.idempotency_key == key
+        )
+        if found is None:
             raise OperationNotFound(f"no operation {operation} with key {key!r} for {tenant_id}")
-        return OperationRecord.from_row(row)
+        return found
 
     def find_by_reference(
         self, tenant_id: str, provider: str, reference: str
     ) -> OperationRecord | None:
-        with self.engine.connect() as conn:
-            row = (
-                conn.execute(
-                    sa.select(operations).where(
-                        operations.c.tenant_id == tenant_id,
-                        operations.c.provider == provider,
-                        operations.c.provider_reference == reference,
-                    )
-                )
-                .mappings()
-                .first()
-            )
-        return OperationRecord.from_row(row) if row is not None else None
+        t = operations.c
+        return self._one(
+            t.tenant_id == tenant_id, t.provider == provider, t.provider_reference == reference
+        )
 
     def events(self, tenant_id: str, operation_id: str) -> list[EventRecord]:
-        with self.engine.connect() as conn:
+        def read(conn: Connection) -> list[EventRecord]:
             rows = conn.execute(
                 sa.select(events)
                 .where(events.c.tenant_id == tenant_id, events.c.operation_id == operation_id)
                 .order_by(events.c.id)
             ).mappings()
             return [EventRecord.from_row(r) for r in rows]
+
+        return read_in_transaction(self.engine, read)
 
     # -- writes -----------------------------------------------------------------------
 
@@ -285,12 +263,15 @@ class Store:
         checks_delta: int = 0,
         needs_attention: bool = _UNSET,
         also: Callable[[Connection, OperationRecord], None] | None = None,
+        guard: sa.ColumnElement[bool] | None = None,
     ) -> OperationRecord:
         """Move ``record`` to ``to_state`` if nobody wrote it since it was read.
 
         The UPDATE is fenced by ``version``; its event row shares the transaction. Passing
         ``lease`` (re)takes the lease for ``lease_owner``; otherwise the lease is released.
-        ``also`` runs in the same transaction (e.g. the webhook inbox row).
+        ``also`` runs in the same transaction (e.g. the webhook inbox row). ``guard`` is an
+        extra condition of the UPDATE, judged by the database at write time; when it fails
+        the write is refused like a lost compare-and-set.
         """
         check_transition(record.state, to_state)
         t = operations.c
@@ -336,6 +317,7 @@ class Store:
                         t.tenant_id == record.tenant_id,
                         t.id == record.id,
                         t.version == record.version,
+                        guard if guard is not None else sa.true(),
                     )
                     .values(**values)
                     .returning(*operations.c)
@@ -375,10 +357,13 @@ class Store:
         kind: str,
         actor: str,
         detail: Mapping[str, Any] | None = None,
+        also: Callable[[Connection, OperationRecord], None] | None = None,
     ) -> None:
         """Record evidence that does not move the operation (e.g. a stale worker's answer)."""
 
         def txn(conn: Connection) -> None:
+            if also is not None:
+                also(conn, record)
             self._add_event(
                 conn, record, kind=kind, actor=actor, from_state=None, to_state=None, detail=detail
             )
@@ -386,7 +371,13 @@ class Store:
         run_in_transaction(self.engine, txn)
 
     def flag_attention(
-        self, record: OperationRecord, *, kind: str, actor: str, detail: Mapping[str, Any]
+        self,
+        record: OperationRecord,
+        *,
+        kind: str,
+        actor: str,
+        detail: Mapping[str, Any],
+        also: Callable[[Connection, OperationRecord], None] | None = None,
     ) -> OperationRecord:
         """Set ``needs_attention`` (any state, terminal included) with an event; fenced."""
 
@@ -412,12 +403,20 @@ class Store:
             if row is None:
                 raise StaleVersion(f"operation {record.id} changed", operation_id=record.id)
             updated = OperationRecord.from_row(row)
+            if also is not None:
+                also(conn, updated)
             self._add_event(
                 conn, updated, kind=kind, actor=actor, from_state=None, to_state=None, detail=detail
             )
             return updated
 
         return run_in_transaction(self.engine, txn)
+
+    def db_time(self) -> datetime:
+        """The database's clock now (the one every lease and window is judged by)."""
+        return read_in_transaction(
+            self.engine, lambda conn: conn.execute(sa.select(db_now())).scalar_one()
+        )
 
     # -- the reconciler's work queue --------------------------------------------------
 
@@ -500,43 +499,7 @@ class Store:
 
         PostgreSQL waiters sleep on LISTEN/NOTIFY; SQLite waiters poll with backoff.
         """
-        deadline = time.monotonic() + wait.total_seconds()
-        if self.is_postgres:
-            return self._wait_notify(record, deadline)
-        delay = 0.02
-        current = self.get(record.tenant_id, record.id)
-        while current.state is State.IN_PROGRESS and time.monotonic() < deadline:
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.25)
-            current = self.get(record.tenant_id, record.id)
-        return current
-
-    def _wait_notify(self, record: OperationRecord, deadline: float) -> OperationRecord:
-        raw = self.engine.raw_connection()
-        try:
-            pg = raw.driver_connection
-            assert pg is not None
-            raw.rollback()
-            pg.autocommit = True
-            pg.execute(f"LISTEN {NOTIFY_CHANNEL}")
-            wanted = f"{record.tenant_id}:{record.id}"
-            try:
-                # Re-read after LISTEN: a NOTIFY sent before it would otherwise be missed.
-                current = self.get(record.tenant_id, record.id)
-                while current.state is State.IN_PROGRESS:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        break
-                    for note in pg.notifies(timeout=min(remaining, 1.0)):
-                        if note.payload == wanted:
-                            break
-                    current = self.get(record.tenant_id, record.id)
-                return current
-            finally:
-                pg.execute(f"UNLISTEN {NOTIFY_CHANNEL}")
-                pg.autocommit = False
-        finally:
-            raw.close()
+        return wait_until_settled(self, record, wait)
 
     # -- helpers ----------------------------------------------------------------------
 

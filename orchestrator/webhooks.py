@@ -3,12 +3,16 @@
 One entry point for the embedding app: ``handle(tenant_id, provider, headers, body)``.
 A bad signature raises (answer 400); everything else is a :class:`WebhookResult` the app
 answers with 200, so providers stop re-sending what payorch has already taken.
+
+The inbox row is inserted (``ON CONFLICT DO NOTHING``) in the same transaction as whatever
+the event writes: two concurrent deliveries of one event cannot both take effect, and a
+crash cannot apply an event without deduplicating it, or the reverse.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from .core import State, operation_id_from_downstream_key, validate_tenant
+from .db import read_in_transaction, run_in_transaction
 from .errors import OperationNotFound, StaleVersion, UnknownProvider
 from .provider import AnswerKind, Provider, WebhookEvent
 from .records import OperationRecord
@@ -45,11 +50,17 @@ class WebhookResult:
     http_status: int = 200
 
 
+class _AlreadyHandled(Exception):
+    """The inbox already holds this event id: roll the transaction back."""
+
+
 _TARGET = {AnswerKind.SUCCEEDED: State.SUCCEEDED, AnswerKind.DECLINED: State.FAILED_FINAL}
 
 
 class WebhookHandler:
-    def __init__(self, *, store: Store, providers: Iterable[Provider], actor: str = "webhook"):
+    def __init__(
+        self, *, store: Store, providers: Iterable[Provider], actor: str = "webhook"
+    ) -> None:
         self.store = store
         self.providers = {p.name: p for p in providers}
         self.actor = actor
@@ -62,32 +73,35 @@ class WebhookHandler:
         if adapter is None:
             raise UnknownProvider(f"no provider named {provider!r} is configured")
         event = adapter.parse_webhook(headers, body)  # raises WebhookRejected: nothing changed
-        if self._seen(tenant_id, provider, event.event_id):
-            return WebhookResult(status=WebhookStatus.DUPLICATE, event_id=event.event_id)
-        record = self._find(tenant_id, provider, event)
-        if record is None:
-            return self._inbox_only(tenant_id, provider, event, WebhookStatus.UNMATCHED, None)
-        if event.outcome is None:
-            return self._inbox_only(tenant_id, provider, event, WebhookStatus.IGNORED, record)
-        for _ in range(_MAX_RACES):
-            try:
-                return self._apply(tenant_id, provider, event, record)
-            except StaleVersion:
-                record = self.store.get(tenant_id, record.id)
+        duplicate = WebhookResult(status=WebhookStatus.DUPLICATE, event_id=event.event_id)
+        if self._seen(tenant_id, provider, event.event_id):  # fast path; the insert decides
+            return duplicate
+        inbox = _Inbox(self.store, tenant_id, provider, event)
+        try:
+            record = self._find(tenant_id, provider, event)
+            if record is None:
+                return inbox.only(WebhookStatus.UNMATCHED, None)
+            if event.outcome is None:
+                return inbox.only(WebhookStatus.IGNORED, record)
+            for _ in range(_MAX_RACES):
+                try:
+                    return self._apply(inbox, event, record)
+                except StaleVersion:
+                    record = self.store.get(tenant_id, record.id)
+        except _AlreadyHandled:
+            return duplicate
         raise StaleVersion(f"operation {record.id} kept changing", operation_id=record.id)
 
     # -- steps ------------------------------------------------------------------------
 
     def _seen(self, tenant_id: str, provider: str, event_id: str) -> bool:
-        with self.store.engine.connect() as conn:
-            found = conn.execute(
-                sa.select(webhook_inbox.c.event_id).where(
-                    webhook_inbox.c.tenant_id == tenant_id,
-                    webhook_inbox.c.provider == provider,
-                    webhook_inbox.c.event_id == event_id,
-                )
-            ).first()
-        return found is not None
+        i = webhook_inbox.c
+        query = sa.select(i.event_id).where(
+            i.tenant_id == tenant_id, i.provider == provider, i.event_id == event_id
+        )
+        return read_in_transaction(
+            self.store.engine, lambda conn: conn.execute(query).first() is not None
+        )
 
     def _find(self, tenant_id: str, provider: str, event: WebhookEvent) -> OperationRecord | None:
         op_id = event.operation_id
@@ -104,9 +118,7 @@ class WebhookHandler:
             return self.store.find_by_reference(tenant_id, provider, event.provider_reference)
         return None
 
-    def _apply(
-        self, tenant_id: str, provider: str, event: WebhookEvent, record: OperationRecord
-    ) -> WebhookResult:
+    def _apply(self, inbox: _Inbox, event: WebhookEvent, record: OperationRecord) -> WebhookResult:
         assert event.outcome is not None
         detail = {
             "event_id": event.event_id,
@@ -115,34 +127,27 @@ class WebhookHandler:
             "provider_reference": event.provider_reference,
         }
         target = _TARGET.get(event.outcome)
-        if record.terminal:
-            if target is None or target is record.state:
-                return self._evidence(tenant_id, provider, event, record, detail)
+        if record.terminal and target is not None and target is not record.state:
             # A second, different final word: keep both, change nothing, call a human.
             detail["conflicts_with"] = record.state.value
-            flagged = self.store.flag_attention(
-                record, kind="conflicting_evidence", actor=self.actor, detail=detail
+            self.store.flag_attention(
+                record,
+                kind="conflicting_evidence",
+                actor=self.actor,
+                detail=detail,
+                also=inbox.claim(WebhookStatus.CONFLICT),
             )
-            self._record_inbox(tenant_id, provider, event, WebhookStatus.CONFLICT, flagged.id)
-            return WebhookResult(
-                status=WebhookStatus.CONFLICT,
-                event_id=event.event_id,
-                operation_id=record.id,
-                state=record.state,
+            return inbox.result(WebhookStatus.CONFLICT, record)
+        if record.terminal or target is None:
+            # Confirms the terminal state, or says "pending": evidence without a change.
+            self.store.append_event(
+                record,
+                kind="webhook_evidence",
+                actor=self.actor,
+                detail=detail,
+                also=inbox.claim(WebhookStatus.RECORDED),
             )
-        if target is None:  # pending: evidence, and the reference if we lacked it
-            return self._evidence(tenant_id, provider, event, record, detail)
-
-        def inbox(conn: Connection, updated: OperationRecord) -> None:
-            self._insert_inbox(
-                conn,
-                tenant_id,
-                provider=provider,
-                event=event,
-                status=WebhookStatus.APPLIED,
-                operation_id=updated.id,
-            )
-
+            return inbox.result(WebhookStatus.RECORDED, record)
         ref = event.provider_reference or record.provider_reference
         response: dict[str, Any] = (
             {"status": "succeeded", "http_status": 200, "provider_reference": ref}
@@ -164,84 +169,52 @@ class WebhookHandler:
             response=response,
             error_code=None if target is State.SUCCEEDED else "declined",
             resolution="webhook",
-            also=inbox,
+            needs_attention=False,  # settled by evidence
+            also=inbox.claim(WebhookStatus.APPLIED),
         )
-        return WebhookResult(
-            status=WebhookStatus.APPLIED,
-            event_id=event.event_id,
-            operation_id=updated.id,
-            state=updated.state,
-        )
+        return inbox.result(WebhookStatus.APPLIED, updated)
 
-    def _evidence(
-        self,
-        tenant_id: str,
-        provider: str,
-        event: WebhookEvent,
-        record: OperationRecord,
-        detail: Mapping[str, Any],
-    ) -> WebhookResult:
-        self.store.append_event(record, kind="webhook_evidence", actor=self.actor, detail=detail)
-        self._record_inbox(tenant_id, provider, event, WebhookStatus.RECORDED, record.id)
-        return WebhookResult(
-            status=WebhookStatus.RECORDED,
-            event_id=event.event_id,
-            operation_id=record.id,
-            state=record.state,
-        )
 
-    def _inbox_only(
-        self,
-        tenant_id: str,
-        provider: str,
-        event: WebhookEvent,
-        status: WebhookStatus,
-        record: OperationRecord | None,
-    ) -> WebhookResult:
-        self._record_inbox(tenant_id, provider, event, status, record.id if record else None)
+class _Inbox:
+    """The inbox row of one event, inserted inside the transaction that acts on it."""
+
+    def __init__(self, store: Store, tenant_id: str, provider: str, event: WebhookEvent) -> None:
+        self.store = store
+        self.tenant_id = tenant_id
+        self.provider = provider
+        self.event = event
+
+    def claim(self, status: WebhookStatus) -> Callable[[Connection, OperationRecord | None], None]:
+        def insert(conn: Connection, record: OperationRecord | None) -> None:
+            stmt = (
+                self.store._insert(webhook_inbox)
+                .values(
+                    tenant_id=self.tenant_id,
+                    provider=self.provider,
+                    event_id=self.event.event_id,
+                    event_type=self.event.event_type,
+                    operation_id=record.id if record is not None else None,
+                    result=status.value,
+                    body=dict(self.event.body),
+                    received_at=db_now(),
+                )
+                .on_conflict_do_nothing()
+                .returning(webhook_inbox.c.event_id)
+            )
+            if conn.execute(stmt).first() is None:
+                raise _AlreadyHandled
+
+        return insert
+
+    def only(self, status: WebhookStatus, record: OperationRecord | None) -> WebhookResult:
+        insert = self.claim(status)
+        run_in_transaction(self.store.engine, lambda conn: insert(conn, record))
+        return self.result(status, record)
+
+    def result(self, status: WebhookStatus, record: OperationRecord | None) -> WebhookResult:
         return WebhookResult(
             status=status,
-            event_id=event.event_id,
-            operation_id=record.id if record else None,
-            state=record.state if record else None,
+            event_id=self.event.event_id,
+            operation_id=record.id if record is not None else None,
+            state=record.state if record is not None else None,
         )
-
-    def _record_inbox(
-        self,
-        tenant_id: str,
-        provider: str,
-        event: WebhookEvent,
-        status: WebhookStatus,
-        operation_id: str | None,
-    ) -> None:
-        with self.store.engine.begin() as conn:
-            self._insert_inbox(
-                conn,
-                tenant_id,
-                provider=provider,
-                event=event,
-                status=status,
-                operation_id=operation_id,
-            )
-
-    def _insert_inbox(
-        self,
-        conn: Connection,
-        tenant_id: str,
-        *,
-        provider: str,
-        event: WebhookEvent,
-        status: WebhookStatus,
-        operation_id: str | None,
-    ) -> None:
-        stmt = self.store._insert(webhook_inbox).values(
-            tenant_id=tenant_id,
-            provider=provider,
-            event_id=event.event_id,
-            event_type=event.event_type,
-            operation_id=operation_id,
-            result=status.value,
-            body=dict(event.body),
-            received_at=db_now(),
-        )
-        conn.execute(stmt.on_conflict_do_nothing())

@@ -538,16 +538,29 @@ def test_429_on_query_is_not_sent() -> None:
     [
         (401, {"error": {"type": "authentication_error", "code": "bad_key"}}, "bad_key"),
         (400, {"error": {"type": "invalid_request_error", "code": "amount_too_small"}}, None),
-        (404, b"not found", "http_404"),
-        (409, {"error": {"type": "idempotency_error", "code": "other_conflict"}}, None),
     ],
 )
-def test_other_4xx_is_declined(status: int, body: Any, code: str | None) -> None:
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    answer = answer_for(httpx.Response(status, content=content))
+def test_a_4xx_the_acquirer_explains_is_declined(status: int, body: Any, code: str | None) -> None:
+    answer = answer_for(httpx.Response(status, content=json.dumps(body).encode()))
     assert answer.kind is AnswerKind.DECLINED
     assert answer.status_code == status
     assert answer.code == (code or body["error"]["code"])
+
+
+@pytest.mark.parametrize(
+    ("status", "body"),
+    [
+        (404, b"not found"),
+        (408, b""),
+        (409, json.dumps({"error": {"type": "idempotency_error", "code": "other"}}).encode()),
+        (499, b"<html>proxy</html>"),
+    ],
+)
+def test_a_4xx_without_the_acquirers_reason_is_ambiguous(status: int, body: bytes) -> None:
+    # Possibly from a proxy in front of the acquirer, after it committed: never final.
+    answer = answer_for(httpx.Response(status, content=body))
+    assert answer.kind is AnswerKind.AMBIGUOUS
+    assert answer.status_code == status
 
 
 def test_odd_query_answers_are_ambiguous() -> None:

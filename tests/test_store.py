@@ -271,3 +271,19 @@ def test_every_key_and_index_leads_with_tenant(db_url: str) -> None:
                 assert ix["column_names"][0] == "tenant_id", ix["name"]
     finally:
         engine.dispose()
+
+
+def test_many_waiters_all_get_the_outcome_and_never_starve_the_holder(store: Store) -> None:
+    op = store.claim(_new("crowd"), owner="holder", lease=LEASE).operation
+    barrier = threading.Barrier(61)
+
+    def waiter(_: int) -> ClaimResult:
+        barrier.wait()
+        return store.claim(_new("crowd"), owner="w", lease=LEASE, wait=timedelta(seconds=60))
+
+    with ThreadPoolExecutor(max_workers=60) as pool:
+        futures = [pool.submit(waiter, i) for i in range(60)]
+        barrier.wait()
+        store.transition(op, State.SUCCEEDED, kind="provider_answer", actor="holder")
+        results = [f.result(timeout=120) for f in futures]
+    assert all(r.replayed and r.operation.id == op.id for r in results)

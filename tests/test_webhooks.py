@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -193,3 +196,22 @@ def test_webhook_for_another_tenant_does_not_touch_this_one(
     result = handler.handle("other-shop", "sandbox", delivery.headers, delivery.body)
     assert result.status is WebhookStatus.UNMATCHED
     assert store.get("shop", op_id).state is State.OUTCOME_UNKNOWN
+
+
+def test_concurrent_deliveries_of_one_event_take_effect_once(
+    executor: Executor, sandbox: SandboxServer, store: Store, handler: WebhookHandler
+) -> None:
+    op_id = unknown(executor, sandbox)
+    (delivery,) = sandbox.webhook_deliveries()
+    barrier = threading.Barrier(8)
+
+    def deliver(_: int) -> WebhookStatus:
+        barrier.wait()
+        return handler.handle("shop", "sandbox", delivery.headers, delivery.body).status
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        statuses = Counter(pool.map(deliver, range(8)))
+    assert statuses == Counter({WebhookStatus.APPLIED: 1, WebhookStatus.DUPLICATE: 7})
+    kinds = [e.kind for e in store.events("shop", op_id)]
+    assert kinds.count("webhook") == 1 and "webhook_evidence" not in kinds
+    assert inbox(store) == [(delivery.event_id, "applied")]

@@ -226,7 +226,7 @@ class SandboxProvider:
                 message=message,
                 **evidence,
             )
-        if 400 <= status < 500:
+        if 400 <= status < 500 and _is_refusal(status, error):
             decline_code = _str_or_none(error.get("decline_code"))
             return Answer(
                 kind=AnswerKind.DECLINED,
@@ -235,7 +235,8 @@ class SandboxProvider:
                 message=message,
                 **evidence,
             )
-        # 1xx / 3xx: not an answer we understand; possibly sent.
+        # 1xx / 3xx, or a 4xx without the sandbox's error object (a proxy's page, a 408):
+        # not an answer we understand, and possibly sent.
         return Answer(kind=AnswerKind.AMBIGUOUS, code=f"http_{status}", **evidence)
 
     def _classify_query(self, response: httpx.Response, *, by_reference: bool) -> Answer:
@@ -321,3 +322,12 @@ class SandboxProvider:
             occurred_at=occurred_at,
             body=event,
         )
+
+
+# The sandbox's own refusals, all decided before it commits anything.
+_REFUSAL_TYPES = frozenset({"card_error", "invalid_request_error", "authentication_error"})
+
+
+def _is_refusal(status: int, error: Mapping[str, Any]) -> bool:
+    """A 4xx is final only when the acquirer itself says why; anything else may be a proxy."""
+    return status != 408 and _str_or_none(error.get("type")) in _REFUSAL_TYPES

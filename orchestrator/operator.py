@@ -1,0 +1,283 @@
+"""Operator actions on one operation: an audited resolution, and a status check on demand.
+
+Both respect the lease: whoever holds a live lease (an executor mid-call, a reconciler
+mid-check) owns the operation until it expires, judged by the database clock. Both write
+through fenced statements, so a concurrent writer makes them fail with ``StaleVersion``
+rather than overwrite what it decided.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from .core import ACTIVE_STATES, State
+from .db import read_in_transaction, run_in_transaction
+from .errors import (
+    InvalidRequest,
+    InvalidTransition,
+    OperationInProgress,
+    OperationNotFound,
+    StaleVersion,
+    UnknownProvider,
+)
+from .reconciler import Reconciler
+from .records import OperationRecord
+from .store import Store, new_id
+from .tables import db_now, db_now_plus, events, operations
+
+__all__ = [
+    "RESOLUTION_EVENT",
+    "RecheckResult",
+    "check_resolvable",
+    "load",
+    "recheck",
+    "resolve",
+]
+
+RESOLUTION_EVENT = "operator_resolution"
+RECHECK_EVENT = "operator_recheck"
+MAX_ACTOR = 200  # payorch_events.actor
+MAX_REASON = 2000
+MAX_REFERENCE = 255  # payorch_operations.provider_reference
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecheckResult:
+    """What the check did (the reconciler's word, e.g. ``succeeded``, ``pending``)."""
+
+    outcome: str
+    before: OperationRecord
+    record: OperationRecord
+
+
+def load(
+    store: Store, tenant_id: str | None, operation_id: str
+) -> tuple[OperationRecord, datetime]:
+    """The operation and the database time; without a tenant, a cross-tenant lookup by id."""
+    t = operations.c
+    where = [t.id == operation_id]
+    if tenant_id is not None:
+        where.append(t.tenant_id == tenant_id)
+
+    def read(conn: Connection) -> list[Any]:
+        query = sa.select(operations, db_now().label("_now")).where(*where).limit(2)
+        return list(conn.execute(query).mappings().all())
+
+    rows = read_in_transaction(store.engine, read)
+    if not rows:
+        scope = f" for tenant {tenant_id}" if tenant_id is not None else ""
+        raise OperationNotFound(f"no operation {operation_id}{scope}")
+    if len(rows) > 1:
+        raise InvalidRequest(f"operation id {operation_id} exists for several tenants; pass one")
+    return OperationRecord.from_row(rows[0]), rows[0]["_now"]
+
+
+def _lease_remaining(record: OperationRecord, now: datetime) -> float:
+    if record.lease_expires_at is None:
+        return 0.0
+    return (record.lease_expires_at - now).total_seconds()
+
+
+def check_resolvable(record: OperationRecord, now: datetime) -> None:
+    """Refuse what an operator may not resolve: terminal, or held by a live lease.
+
+    ``outcome_unknown`` and an abandoned ``in_progress`` (lease expired) are resolvable. An
+    ``outcome_unknown`` the reconciler is checking right now is refused too: its evidence
+    may be about to land, and a resolution must not race it.
+    """
+    if record.terminal:
+        raise InvalidTransition(
+            f"operation {record.id} is already {record.state.value} (terminal); "
+            "a correction is a new operation, e.g. a refund",
+            operation_id=record.id,
+        )
+    remaining = _lease_remaining(record, now)
+    if remaining > 0:
+        holder = record.lease_owner or "another worker"
+        raise OperationInProgress(
+            f"operation {record.id} is leased by {holder} for {remaining:.0f}s more",
+            operation_id=record.id,
+            retry_after=max(1.0, round(remaining, 1)),
+        )
+
+
+def _required(value: str | None, name: str, limit: int) -> str:
+    text = (value or "").strip()
+    if not text:
+        raise InvalidRequest(f"a resolution needs a non-empty {name}")
+    if len(text) > limit:
+        raise InvalidRequest(f"{name} is longer than {limit} characters")
+    return text
+
+
+def resolve(
+    store: Store,
+    tenant_id: str | None,
+    operation_id: str,
+    *,
+    to: State,
+    reason: str,
+    actor: str,
+    provider_reference: str | None = None,
+    expected_version: int | None = None,
+) -> OperationRecord:
+    """Settle an unknown or abandoned operation by an operator's decision: one audit event.
+
+    ``expected_version`` makes the decision apply only to the operation as the operator saw
+    it (e.g. when it was shown for confirmation).
+    """
+    reason = _required(reason, "reason", MAX_REASON)
+    actor = _required(actor, "actor", MAX_ACTOR)
+    if not to.terminal:
+        raise InvalidRequest(f"an operator resolves to succeeded or failed_final, not {to.value}")
+    reference = provider_reference.strip() if provider_reference else None
+    if reference is not None and len(reference) > MAX_REFERENCE:
+        raise InvalidRequest(f"provider reference is longer than {MAX_REFERENCE} characters")
+    record, now = load(store, tenant_id, operation_id)
+    if expected_version is not None and record.version != expected_version:
+        raise StaleVersion(
+            f"operation {record.id} changed since it was shown (version {expected_version}, "
+            f"now {record.version}); look again",
+            operation_id=record.id,
+        )
+    check_resolvable(record, now)
+    final_reference = reference or record.provider_reference
+    detail: dict[str, Any] = {
+        "reason": reason,
+        "provider_reference": reference,
+        "lease_expired_at": (
+            record.lease_expires_at.isoformat() if record.lease_expires_at else None
+        ),
+        "possibly_sent": record.possibly_sent,
+        "checks": record.checks,
+    }
+    if reference is not None and record.provider_reference not in (None, reference):
+        detail["replaced_provider_reference"] = record.provider_reference
+    if to is State.SUCCEEDED:
+        response: dict[str, Any] = {
+            "status": "succeeded",
+            "http_status": 200,
+            "provider_reference": final_reference,
+            "resolution": "operator",
+        }
+        error_code = None
+    else:
+        response = {
+            "status": "failed",
+            "http_status": 402,
+            "code": "operator_resolved",
+            "message": "resolved as failed by an operator",
+            "provider_reference": final_reference,
+            "resolution": "operator",
+        }
+        error_code = "operator_resolved"
+    return store.transition(
+        record,
+        to,
+        kind=RESOLUTION_EVENT,
+        actor=actor,
+        detail=detail,
+        provider_reference=final_reference,
+        response=response,
+        error_code=error_code,
+        resolution="operator",
+        needs_attention=False,  # a human has decided; the evidence stays in the log
+    )
+
+
+def _take_lease(
+    store: Store, record: OperationRecord, *, owner: str, actor: str, lease_seconds: float
+) -> tuple[OperationRecord, datetime]:
+    """Lease one operation if its lease is free or expired: one fenced UPDATE + an event."""
+    t = operations.c
+
+    def txn(conn: Connection) -> tuple[OperationRecord, datetime]:
+        row = (
+            conn.execute(
+                sa.update(operations)
+                .where(
+                    t.tenant_id == record.tenant_id,
+                    t.id == record.id,
+                    t.version == record.version,
+                    t.state.in_([s.value for s in ACTIVE_STATES]),
+                    sa.or_(t.lease_expires_at.is_(None), t.lease_expires_at <= db_now()),
+                )
+                .values(
+                    lease_owner=owner,
+                    lease_expires_at=db_now_plus(sa.literal(lease_seconds)),
+                    version=t.version + 1,
+                    updated_at=db_now(),
+                )
+                .returning(*operations.c, db_now().label("_now"))
+            )
+            .mappings()
+            .first()
+        )
+        if row is None:
+            raise StaleVersion(
+                f"operation {record.id} changed or was leased meanwhile; try again",
+                operation_id=record.id,
+            )
+        leased = OperationRecord.from_row(row)
+        conn.execute(
+            sa.insert(events).values(
+                tenant_id=leased.tenant_id,
+                id=new_id(),
+                operation_id=leased.id,
+                kind=RECHECK_EVENT,
+                actor=actor,
+                from_state=None,
+                to_state=None,
+                version=None,
+                detail={"lease_owner": owner, "lease_seconds": lease_seconds},
+                created_at=db_now(),
+            )
+        )
+        return leased, row["_now"]
+
+    return run_in_transaction(store.engine, txn)
+
+
+def recheck(
+    store: Store,
+    reconciler: Reconciler,
+    tenant_id: str | None,
+    operation_id: str,
+    *,
+    actor: str = "operator",
+) -> RecheckResult:
+    """Ask the provider now and apply the evidence, exactly as the reconciler would."""
+    actor = _required(actor, "actor", MAX_ACTOR)
+    record, now = load(store, tenant_id, operation_id)
+    if record.terminal:
+        raise InvalidTransition(
+            f"operation {record.id} is already {record.state.value} (terminal); nothing to check",
+            operation_id=record.id,
+        )
+    remaining = _lease_remaining(record, now)
+    if remaining > 0:
+        raise OperationInProgress(
+            f"operation {record.id} is leased by {record.lease_owner} for {remaining:.0f}s more",
+            operation_id=record.id,
+            retry_after=max(1.0, round(remaining, 1)),
+        )
+    asks_provider = not (record.state is State.IN_PROGRESS and not record.possibly_sent)
+    if asks_provider and record.provider not in reconciler.providers:
+        # Checked before leasing: without the adapter the check would only reschedule.
+        raise UnknownProvider(f"provider {record.provider!r} is not configured here")
+    leased, now = _take_lease(
+        store,
+        record,
+        owner=reconciler.owner,
+        actor=actor,
+        lease_seconds=reconciler.policy.lease.total_seconds(),
+    )
+    outcome = reconciler.check(leased, now)
+    return RecheckResult(
+        outcome=outcome, before=record, record=store.get(record.tenant_id, record.id)
+    )

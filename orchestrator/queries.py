@@ -1,0 +1,225 @@
+"""Read-only queries for operators: listing operations and the numbers behind ``payorch stats``.
+
+Times are judged by the database clock, like everything else. Listings page with a keyset
+cursor on ``(created_at, id)`` (newest first), so a page stays stable while new operations
+arrive, and its cost does not grow with the page number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from .core import State
+from .db import read_in_transaction
+from .errors import InvalidRequest
+from .records import OperationRecord
+from .store import Store
+from .tables import db_now, db_now_plus, events, operations
+
+__all__ = [
+    "CONFLICT_EVENT",
+    "REPLAY_EVENT",
+    "Page",
+    "Stats",
+    "decode_cursor",
+    "encode_cursor",
+    "list_operations",
+    "stats",
+]
+
+# Event kinds the store appends on the existing operation when a claim replays it or refuses
+# a changed fingerprint; ``stats`` counts them over a window.
+REPLAY_EVENT = "replayed"
+CONFLICT_EVENT = "key_reused"
+MAX_PAGE = 1000
+
+
+@dataclass(frozen=True, kw_only=True)
+class Page:
+    """One page of operations, newest first, with the database time it was read at."""
+
+    items: list[OperationRecord]
+    has_more: bool
+    next_cursor: str | None
+    now: datetime
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stats:
+    now: datetime
+    window: timedelta
+    by_state: dict[str, int]
+    oldest_unknown_created_at: datetime | None
+    needs_attention: int
+    by_provider: dict[str, dict[str, int]]
+    replays: int
+    conflicts: int
+    tenant_id: str | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_state.values())
+
+    @property
+    def oldest_unknown_age(self) -> timedelta | None:
+        if self.oldest_unknown_created_at is None:
+            return None
+        return self.now - self.oldest_unknown_created_at
+
+    def to_dict(self) -> dict[str, Any]:
+        age = self.oldest_unknown_age
+        return {
+            "now": self.now.isoformat(),
+            "tenant_id": self.tenant_id,
+            "window_seconds": self.window.total_seconds(),
+            "total": self.total,
+            "by_state": dict(self.by_state),
+            "oldest_unknown_created_at": (
+                self.oldest_unknown_created_at.isoformat()
+                if self.oldest_unknown_created_at
+                else None
+            ),
+            "oldest_unknown_age_seconds": age.total_seconds() if age is not None else None,
+            "needs_attention": self.needs_attention,
+            "by_provider": {p: dict(s) for p, s in self.by_provider.items()},
+            "replays": self.replays,
+            "conflicts": self.conflicts,
+        }
+
+
+def encode_cursor(record: OperationRecord) -> str:
+    return f"{record.created_at.isoformat()}~{record.id}"
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str]:
+    """Parse what :func:`encode_cursor` wrote; ``InvalidRequest`` if it is not that."""
+    created, sep, op_id = cursor.partition("~")
+    try:
+        when = datetime.fromisoformat(created)
+    except ValueError:
+        when = None
+    if not sep or not op_id or when is None or when.tzinfo is None:
+        raise InvalidRequest(f"not a listing cursor: {cursor!r}")
+    return when, op_id
+
+
+def list_operations(
+    store: Store,
+    *,
+    state: State | None = None,
+    tenant_id: str | None = None,
+    operation: str | None = None,
+    provider: str | None = None,
+    older_than: timedelta | None = None,
+    needs_attention: bool | None = None,
+    limit: int = 50,
+    cursor: str | None = None,
+) -> Page:
+    """Operations matching every given filter, newest first; ``cursor`` continues a listing.
+
+    ``older_than`` keeps operations created at least that long ago (database clock).
+    """
+    if not 1 <= limit <= MAX_PAGE:
+        raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}")
+    if older_than is not None and older_than < timedelta(0):
+        raise InvalidRequest("older_than must not be negative")
+    t = operations.c
+    where: list[sa.ColumnElement[bool]] = []
+    if state is not None:
+        where.append(t.state == state.value)
+    if tenant_id is not None:
+        where.append(t.tenant_id == tenant_id)
+    if operation is not None:
+        where.append(t.operation == operation)
+    if provider is not None:
+        where.append(t.provider == provider)
+    if needs_attention is not None:
+        where.append(t.needs_attention == needs_attention)
+    if older_than is not None:
+        where.append(t.created_at <= db_now_plus(sa.literal(-older_than.total_seconds())))
+    if cursor is not None:
+        created, op_id = decode_cursor(cursor)
+        where.append(sa.or_(t.created_at < created, sa.and_(t.created_at == created, t.id < op_id)))
+    query = (
+        sa.select(operations)
+        .where(*where)
+        .order_by(t.created_at.desc(), t.id.desc())
+        .limit(limit + 1)  # one more than asked: tells whether another page exists
+    )
+
+    def read(conn: Connection) -> Page:
+        now = conn.execute(sa.select(db_now())).scalar_one()
+        rows = conn.execute(query).mappings().all()
+        items = [OperationRecord.from_row(r) for r in rows[:limit]]
+        has_more = len(rows) > limit
+        return Page(
+            items=items,
+            has_more=has_more,
+            next_cursor=encode_cursor(items[-1]) if has_more and items else None,
+            now=now,
+        )
+
+    return read_in_transaction(store.engine, read)
+
+
+def stats(store: Store, *, window: timedelta, tenant_id: str | None = None) -> Stats:
+    """Counts by state and provider, the oldest unknown, and replays/conflicts in ``window``."""
+    if window <= timedelta(0):
+        raise InvalidRequest("the stats window must be positive")
+    t = operations.c
+    e = events.c
+
+    def scoped(column: sa.ColumnElement[str]) -> list[sa.ColumnElement[bool]]:
+        return [column == tenant_id] if tenant_id is not None else []
+
+    def read(conn: Connection) -> Stats:
+        now = conn.execute(sa.select(db_now())).scalar_one()
+        by_state = {s.value: 0 for s in State}
+        by_provider: dict[str, dict[str, int]] = {}
+        grouped = conn.execute(
+            sa.select(t.provider, t.state, sa.func.count())
+            .where(*scoped(t.tenant_id))
+            .group_by(t.provider, t.state)
+        ).all()
+        for provider, state, count in grouped:
+            by_state[state] = by_state.get(state, 0) + int(count)
+            by_provider.setdefault(provider, {})[state] = int(count)
+        oldest = conn.execute(
+            sa.select(sa.func.min(t.created_at)).where(
+                t.state == State.OUTCOME_UNKNOWN.value, *scoped(t.tenant_id)
+            )
+        ).scalar_one()
+        attention = conn.execute(
+            sa.select(sa.func.count())
+            .select_from(operations)
+            .where(t.needs_attention.is_(True), *scoped(t.tenant_id))
+        ).scalar_one()
+        # ix_payorch_events_kind (tenant_id, kind, created_at) serves this per tenant.
+        counted = conn.execute(
+            sa.select(e.kind, sa.func.count())
+            .where(
+                e.kind.in_((REPLAY_EVENT, CONFLICT_EVENT)),
+                e.created_at >= db_now_plus(sa.literal(-window.total_seconds())),
+                *scoped(e.tenant_id),
+            )
+            .group_by(e.kind)
+        ).all()
+        kinds = {str(kind): int(count) for kind, count in counted}
+        return Stats(
+            now=now,
+            window=window,
+            tenant_id=tenant_id,
+            by_state=by_state,
+            oldest_unknown_created_at=oldest,
+            needs_attention=int(attention),
+            by_provider=by_provider,
+            replays=int(kinds.get(REPLAY_EVENT, 0)),
+            conflicts=int(kinds.get(CONFLICT_EVENT, 0)),
+        )
+
+    return read_in_transaction(store.engine, read)

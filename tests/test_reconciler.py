@@ -319,3 +319,29 @@ def test_a_refused_resubmission_stays_unknown_and_is_tried_again(
     make_due(store, op_id)
     assert rec.reconcile_once().outcomes == Counter({"resubmitted_succeeded": 1})
     assert effects(sandbox, op_id) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "point", ["before_send", "after_commit", "between_retries", "after_record"]
+)
+def test_kill_9_at_every_fault_point_ends_with_one_effect(
+    db_url: str, sandbox: SandboxServer, store: Store, sandbox_provider: SandboxProvider, point: str
+) -> None:
+    if point == "between_retries":
+        sandbox.inject("rate_limit")
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=workers.execute_then_die, args=(db_url, sandbox.url, "k9", point))
+    proc.start()
+    proc.join(timeout=60)
+    assert proc.exitcode == -signal.SIGKILL
+    record = store.get_by_namespace("shop", "payment.create", "k9")
+    # Time passes: the dead worker's lease expires, the not-found grace runs out.
+    make_due(store, record.id)
+    age(store, record.id, timedelta(minutes=5))
+    rec = reconciler(store, sandbox_provider, not_found_grace=timedelta(minutes=1))
+    rec.run_until_idle(max_passes=5)
+    final = store.get("shop", record.id)
+    assert final.state is State.SUCCEEDED
+    assert effects(sandbox, record.id) == 1
+    assert len(sandbox.ledger()) == 1

@@ -36,9 +36,14 @@ def claim_many(url: str, worker: int, keys: list[str]) -> list[tuple[str, str, b
     return out
 
 
-def execute_then_die(url: str, sandbox_url: str, key: str) -> None:
-    """Run execute(); SIGKILL this process once the provider has committed, before the
-    outcome is recorded: the crash window the reconciler must close."""
+def execute_then_die(url: str, sandbox_url: str, key: str, point: str = "after_commit") -> None:
+    """Run execute() and SIGKILL this process at ``point``:
+
+    - ``before_send``: the claim is committed, nothing sent yet;
+    - ``after_commit``: the provider committed, our outcome not yet recorded;
+    - ``between_retries``: a not-sent attempt is recorded, the retry not yet sent;
+    - ``after_record``: execute() has returned (nothing left to do).
+    """
     import os
     import signal
 
@@ -47,19 +52,25 @@ def execute_then_die(url: str, sandbox_url: str, key: str) -> None:
     from orchestrator.provider import Answer, SubmitRequest
     from providers.sandbox import SandboxProvider
 
-    class DiesAfterSubmit(SandboxProvider):
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    class Dies(SandboxProvider):
         def submit(self, request: SubmitRequest) -> Answer:
-            super().submit(request)
-            os.kill(os.getpid(), signal.SIGKILL)
-            raise AssertionError("unreachable")
+            if point == "before_send":
+                die()
+            answer = super().submit(request)
+            if point == "after_commit":
+                die()
+            return answer
 
     store = Store.from_url(url)
-    provider = DiesAfterSubmit(base_url=sandbox_url)
     ex = Executor(
         store=store,
-        providers=[provider],
+        providers=[Dies(base_url=sandbox_url)],
         registry=default_registry("sandbox"),
         lease=timedelta(seconds=120),
+        sleep=lambda _seconds: die() if point == "between_retries" else None,
     )
     ex.execute(
         tenant_id="shop",
@@ -67,6 +78,8 @@ def execute_then_die(url: str, sandbox_url: str, key: str) -> None:
         idempotency_key=key,
         request={"amount": 1250, "currency": "EUR", "customer": "cus_7"},
     )
+    if point == "after_record":
+        die()
 
 
 def reconcile_until_idle(url: str, sandbox_url: str, worker: int) -> dict[str, int]:

@@ -49,6 +49,48 @@ class Store:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.dialect = engine.dialect.name
+        # Hot statements are built once: SQLAlchemy then skips coercion and cache-key work.
+        self._claim_stmt = self._build_claim()
+        self._updates: dict[tuple[Any, ...], Any] = {}
+
+    def _build_claim(self) -> Any:
+        c = operations.c
+        bound = {
+            name: sa.bindparam(f"c_{name}", type_=c[name].type)
+            for name in (
+                "tenant_id",
+                "id",
+                "operation",
+                "idempotency_key",
+                "fingerprint",
+                "state",
+                "provider",
+                "downstream_key",
+                "amount",
+                "currency",
+                "request",
+                "retention_seconds",
+                "possibly_sent",
+                "attempts",
+                "lease_owner",
+            )
+        }
+        lease_s = sa.bindparam("c_lease_s", type_=sa.Float)
+        return (
+            self._insert(operations)
+            .values(
+                **bound,
+                checks=0,
+                needs_attention=False,
+                version=1,
+                lease_expires_at=db_now_plus(lease_s),
+                next_check_at=db_now_plus(lease_s),
+                created_at=db_now(),
+                updated_at=db_now(),
+            )
+            .on_conflict_do_nothing(index_elements=["tenant_id", "operation", "idempotency_key"])
+            .returning(*operations.c)
+        )
 
     @classmethod
     def from_url(cls, url: str | URL, **engine_kwargs: Any) -> Store:
@@ -83,36 +125,27 @@ class Store:
         op_id = new_id()
         lease_s = lease.total_seconds()
 
+        params = {
+            "c_tenant_id": new.tenant_id,
+            "c_id": op_id,
+            "c_operation": new.operation,
+            "c_idempotency_key": new.idempotency_key,
+            "c_fingerprint": new.fingerprint,
+            "c_state": State.IN_PROGRESS.value,
+            "c_provider": new.provider,
+            "c_downstream_key": downstream_key(op_id),
+            "c_amount": new.amount,
+            "c_currency": new.currency,
+            "c_request": dict(new.request) if new.request is not None else None,
+            "c_retention_seconds": int(new.retention.total_seconds()),
+            "c_possibly_sent": possibly_sent,
+            "c_attempts": 1 if possibly_sent else 0,
+            "c_lease_owner": owner,
+            "c_lease_s": lease_s,
+        }
+
         def txn(conn: Connection) -> tuple[OperationRecord, bool, float]:
-            values = {
-                "tenant_id": new.tenant_id,
-                "id": op_id,
-                "operation": new.operation,
-                "idempotency_key": new.idempotency_key,
-                "fingerprint": new.fingerprint,
-                "state": State.IN_PROGRESS.value,
-                "provider": new.provider,
-                "downstream_key": downstream_key(op_id),
-                "amount": new.amount,
-                "currency": new.currency,
-                "request": dict(new.request) if new.request is not None else None,
-                "retention_seconds": int(new.retention.total_seconds()),
-                "possibly_sent": possibly_sent,
-                "attempts": 1 if possibly_sent else 0,
-                "checks": 0,
-                "needs_attention": False,
-                "lease_owner": owner,
-                "lease_expires_at": db_now_plus(sa.literal(lease_s)),
-                "next_check_at": db_now_plus(sa.literal(lease_s)),
-                "version": 1,
-                "created_at": db_now(),
-                "updated_at": db_now(),
-            }
-            stmt = self._insert(operations).values(**values)
-            stmt = stmt.on_conflict_do_nothing(
-                index_elements=["tenant_id", "operation", "idempotency_key"]
-            ).returning(*operations.c)
-            row = conn.execute(stmt).mappings().first()
+            row = conn.execute(self._claim_stmt, params).mappings().first()
             if row is not None:
                 record = OperationRecord.from_row(row)
                 self._add_event(
@@ -274,26 +307,7 @@ class Store:
         the write is refused like a lost compare-and-set.
         """
         check_transition(record.state, to_state)
-        t = operations.c
-        values: dict[str, Any] = {
-            "state": to_state.value,
-            "version": t.version + 1,
-            "updated_at": db_now(),
-        }
-        if lease is not None:
-            values["lease_owner"] = lease_owner
-            values["lease_expires_at"] = db_now_plus(sa.literal(lease.total_seconds()))
-            values["next_check_at"] = db_now_plus(sa.literal(lease.total_seconds()))
-        else:
-            values["lease_owner"] = None
-            values["lease_expires_at"] = None
-            values["next_check_at"] = None
-        if next_check_in is not None:
-            values["next_check_at"] = db_now_plus(sa.literal(next_check_in.total_seconds()))
-        if to_state.terminal:
-            values["completed_at"] = db_now()
-            values["next_check_at"] = None
-            values["retain_until"] = db_now_plus(t.retention_seconds)
+        plain: dict[str, Any] = {}
         for name, value in (
             ("provider_reference", provider_reference),
             ("response", response),
@@ -303,28 +317,39 @@ class Store:
             ("needs_attention", needs_attention),
         ):
             if value is not _UNSET:
-                values[name] = dict(value) if isinstance(value, Mapping) else value
-        if attempts_delta:
-            values["attempts"] = t.attempts + attempts_delta
-        if checks_delta:
-            values["checks"] = t.checks + checks_delta
+                plain[name] = dict(value) if isinstance(value, Mapping) else value
+        if lease is not None:
+            plain["lease_owner"] = lease_owner
+        notify = self.is_postgres and to_state is not State.IN_PROGRESS
+        shape = (
+            tuple(sorted(plain)),
+            lease is not None,
+            next_check_in is not None,
+            to_state.terminal,
+            bool(attempts_delta),
+            bool(checks_delta),
+            notify,
+        )
+        stmt = self._updates.get(shape) if guard is None else None
+        if stmt is None:
+            stmt = _build_update(shape, guard)
+            if guard is None:
+                self._updates[shape] = stmt
+        params: dict[str, Any] = {f"u_{k}": v for k, v in plain.items()}
+        params.update(
+            u_state=to_state.value,
+            w_tenant_id=record.tenant_id,
+            w_id=record.id,
+            w_version=record.version,
+            u_lease_s=lease.total_seconds() if lease is not None else None,
+            u_next_s=next_check_in.total_seconds() if next_check_in is not None else None,
+            u_attempts=attempts_delta,
+            u_checks=checks_delta,
+            u_channel=NOTIFY_CHANNEL,
+        )
 
         def txn(conn: Connection) -> OperationRecord:
-            row = (
-                conn.execute(
-                    sa.update(operations)
-                    .where(
-                        t.tenant_id == record.tenant_id,
-                        t.id == record.id,
-                        t.version == record.version,
-                        guard if guard is not None else sa.true(),
-                    )
-                    .values(**values)
-                    .returning(*operations.c)
-                )
-                .mappings()
-                .first()
-            )
+            row = conn.execute(stmt, params).mappings().first()
             if row is None:
                 raise StaleVersion(
                     f"operation {record.id} changed since version {record.version}",
@@ -342,10 +367,6 @@ class Store:
             )
             if also is not None:
                 also(conn, updated)
-            if self.is_postgres and (to_state is not State.IN_PROGRESS):
-                conn.execute(
-                    sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, f"{record.tenant_id}:{record.id}"))
-                )
             return updated
 
         return run_in_transaction(self.engine, txn)
@@ -518,19 +539,84 @@ class Store:
         detail: Mapping[str, Any] | None,
     ) -> None:
         conn.execute(
-            sa.insert(events).values(
-                tenant_id=record.tenant_id,
-                id=new_id(),
-                operation_id=record.id,
-                kind=kind,
-                actor=actor,
-                from_state=from_state.value if from_state else None,
-                to_state=to_state.value if to_state else None,
-                version=record.version if to_state is not None else None,
-                detail=dict(detail) if detail is not None else None,
-                created_at=db_now(),
-            )
+            _EVENT_INSERT,
+            {
+                "e_tenant_id": record.tenant_id,
+                "e_id": new_id(),
+                "e_operation_id": record.id,
+                "e_kind": kind,
+                "e_actor": actor,
+                "e_from_state": from_state.value if from_state else None,
+                "e_to_state": to_state.value if to_state else None,
+                "e_version": record.version if to_state is not None else None,
+                "e_detail": dict(detail) if detail is not None else None,
+            },
         )
+
+
+_EVENT_INSERT = sa.insert(events).values(
+    **{
+        name: sa.bindparam(f"e_{name}", type_=events.c[name].type)
+        for name in (
+            "tenant_id",
+            "id",
+            "operation_id",
+            "kind",
+            "actor",
+            "from_state",
+            "to_state",
+            "version",
+            "detail",
+        )
+    },
+    created_at=db_now(),
+)
+
+
+def _build_update(shape: tuple[Any, ...], guard: sa.ColumnElement[bool] | None) -> Any:
+    """The fenced UPDATE for one shape of transition (see ``Store.transition``)."""
+    plain, lease, next_check, terminal, attempts, checks, notify = shape
+    t = operations.c
+    values: dict[str, Any] = {name: sa.bindparam(f"u_{name}", type_=t[name].type) for name in plain}
+    values["state"] = sa.bindparam("u_state", type_=t.state.type)
+    values["version"] = t.version + 1
+    values["updated_at"] = db_now()
+    if lease:
+        lease_s = sa.bindparam("u_lease_s", type_=sa.Float)
+        values["lease_expires_at"] = db_now_plus(lease_s)
+        values["next_check_at"] = db_now_plus(lease_s)
+    else:
+        values["lease_owner"] = None
+        values["lease_expires_at"] = None
+        values["next_check_at"] = None
+    if next_check:
+        values["next_check_at"] = db_now_plus(sa.bindparam("u_next_s", type_=sa.Float))
+    if terminal:
+        values["completed_at"] = db_now()
+        values["next_check_at"] = None
+        values["retain_until"] = db_now_plus(t.retention_seconds)
+    if attempts:
+        values["attempts"] = t.attempts + sa.bindparam("u_attempts", type_=sa.Integer)
+    if checks:
+        values["checks"] = t.checks + sa.bindparam("u_checks", type_=sa.Integer)
+    returning: list[Any] = list(operations.c)
+    if notify:
+        # Waiters wake on this; RETURNING carries it, saving a round trip per transition.
+        payload = sa.func.concat(t.tenant_id, ":", t.id)
+        returning.append(
+            sa.func.pg_notify(sa.bindparam("u_channel", type_=sa.String), payload).label("_n")
+        )
+    return (
+        sa.update(operations)
+        .where(
+            t.tenant_id == sa.bindparam("w_tenant_id", type_=t.tenant_id.type),
+            t.id == sa.bindparam("w_id", type_=t.id.type),
+            t.version == sa.bindparam("w_version", type_=t.version.type),
+            guard if guard is not None else sa.true(),
+        )
+        .values(**values)
+        .returning(*returning)
+    )
 
 
 def _duplicate_kind(existing: OperationRecord, new: NewOperation) -> str | None:

@@ -1,0 +1,95 @@
+"""Where the benchmark's databases come from, and what the server is configured to do.
+
+PostgreSQL is ``$PAYORCH_BENCH_DATABASE_URL`` when set, otherwise a throwaway cluster started
+with ``tests/pgcluster.py`` (the one the test suite uses). Each benchmark gets a fresh
+database on that server, migrated by Alembic, and dropped again at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+from sqlalchemy.engine import make_url
+
+from orchestrator import migrate
+from orchestrator.db import normalise_url
+
+REPO = Path(__file__).resolve().parent.parent
+ENV_URL = "PAYORCH_BENCH_DATABASE_URL"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Server:
+    url: str  # SQLAlchemy URL of the maintenance database
+    origin: str  # where it came from, for the report
+
+
+@dataclass(frozen=True, kw_only=True)
+class Database:
+    name: str
+    url: str  # SQLAlchemy URL (postgresql+psycopg://...)
+    conninfo: str  # the same for plain psycopg (postgresql://...)
+
+
+def conninfo_of(url: str) -> str:
+    """A libpq URI for plain psycopg from a SQLAlchemy URL."""
+    return normalise_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+@contextmanager
+def postgres_server() -> Iterator[Server]:
+    """The server to benchmark on; a throwaway cluster is stopped and deleted afterwards."""
+    env_url = os.environ.get(ENV_URL)
+    if env_url:
+        yield Server(
+            url=normalise_url(env_url).render_as_string(hide_password=False), origin=ENV_URL
+        )
+        return
+    sys.path.insert(0, str(REPO / "tests"))
+    from pgcluster import Cluster  # the test suite's throwaway cluster
+
+    cluster = Cluster()
+    try:
+        url = cluster.start()
+        yield Server(url=url, origin=f"throwaway cluster (tests/pgcluster.py, {cluster.bindir})")
+    finally:
+        cluster.stop()
+
+
+@contextmanager
+def fresh_database(server: Server, prefix: str) -> Iterator[Database]:
+    """A new database on ``server``, migrated to head; dropped on exit."""
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    admin = conninfo_of(server.url)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    url = make_url(server.url).set(database=name).render_as_string(hide_password=False)
+    try:
+        migrate.upgrade(url)
+        yield Database(name=name, url=url, conninfo=conninfo_of(url))
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+def server_settings(conninfo: str) -> dict[str, str]:
+    """The settings that decide what a commit costs, as the server reports them."""
+    names = ("fsync", "synchronous_commit", "full_page_writes", "shared_buffers", "wal_level")
+    out: dict[str, str] = {}
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        row = conn.execute("SHOW server_version").fetchone()
+        out["server_version"] = str(row[0]) if row else "?"
+        for name in names:
+            row = conn.execute(sql.SQL("SHOW {}").format(sql.Identifier(name))).fetchone()
+            out[name] = str(row[0]) if row else "?"
+    return out

@@ -1,0 +1,574 @@
+"""Throughput of ``Executor.execute()`` and of the raw two-commit floors it is compared with.
+
+Every workload is a :data:`Factory`: called once per thread (outside the timed region, so
+connections are opened before the clock starts), it returns the per-operation callable that
+the timed loop runs a bounded number of times. The callable returns whether the operation
+came out as expected (a fresh success, or a replay); nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import statistics
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Json
+
+from orchestrator.core import State
+from orchestrator.errors import WebhookSignatureInvalid
+from orchestrator.executor import Executor
+from orchestrator.provider import Answer, AnswerKind, StatusQuery, SubmitRequest, WebhookEvent
+from orchestrator.store import new_id
+
+OPERATION = "payment.create"
+REQUEST: Mapping[str, Any] = {
+    "amount": 1999,
+    "currency": "EUR",
+    "customer": "cus_42",
+    "payment_method": "pm_card_visa",
+}
+# A fixed, well-formed fingerprint for the hand-written SQL (the executor computes its own).
+FINGERPRINT = "0" * 64
+
+
+# -- the timed loop -----------------------------------------------------------------------
+
+
+@dataclass
+class Worker:
+    op: Callable[[int], bool]
+    close: Callable[[], None] = field(default=lambda: None)
+
+
+Factory = Callable[[int], Worker]  # thread index -> that thread's worker
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResult:
+    threads: int
+    ops: int
+    seconds: float
+    latencies: list[float]  # seconds per operation, all threads
+    unexpected: int  # operations that did not come out as the workload expected
+
+    @property
+    def ops_per_s(self) -> float:
+        return self.ops / self.seconds if self.seconds > 0 else 0.0
+
+    def percentile_ms(self, q: float) -> float:
+        if not self.latencies:
+            return 0.0
+        ordered = sorted(self.latencies)
+        index = min(len(ordered) - 1, round(q * (len(ordered) - 1)))
+        return ordered[index] * 1000
+
+    @property
+    def p50_ms(self) -> float:
+        return statistics.median(self.latencies) * 1000 if self.latencies else 0.0
+
+    @property
+    def p99_ms(self) -> float:
+        return self.percentile_ms(0.99)
+
+
+def split(total: int, threads: int) -> list[int]:
+    """``total`` operations over ``threads`` threads, as evenly as possible."""
+    base, extra = divmod(total, threads)
+    return [base + (1 if t < extra else 0) for t in range(threads)]
+
+
+def run_threads(threads: int, total: int, factory: Factory) -> RunResult:
+    """Run ``total`` operations on ``threads`` threads; the clock covers the loop only."""
+    counts = split(total, threads)
+    workers = [factory(t) for t in range(threads)]
+    start_line = threading.Barrier(threads + 1)
+    latencies: list[list[float]] = [[] for _ in range(threads)]
+    unexpected = [0] * threads
+    errors: list[Exception] = []
+
+    def body(t: int) -> None:
+        worker, out = workers[t], latencies[t]
+        start_line.wait()
+        try:
+            for i in range(counts[t]):
+                began = time.perf_counter()
+                ok = worker.op(i)
+                out.append(time.perf_counter() - began)
+                if not ok:
+                    unexpected[t] += 1
+        except Exception as exc:  # noqa: BLE001 - re-raised in the main thread below
+            errors.append(exc)
+
+    pool = [
+        threading.Thread(target=body, args=(t,), name=f"bench-{t}", daemon=True)
+        for t in range(threads)
+    ]
+    for thread in pool:
+        thread.start()
+    start_line.wait()
+    began = time.perf_counter()
+    for thread in pool:
+        thread.join()
+    seconds = time.perf_counter() - began
+    for worker in workers:
+        worker.close()
+    if errors:
+        raise errors[0]
+    return RunResult(
+        threads=threads,
+        ops=total,
+        seconds=seconds,
+        latencies=[x for per in latencies for x in per],
+        unexpected=sum(unexpected),
+    )
+
+
+def merge(parts: list[RunResult]) -> RunResult:
+    """Several runs of one workload as one: operations and timed seconds add up."""
+    return RunResult(
+        threads=parts[0].threads,
+        ops=sum(p.ops for p in parts),
+        seconds=sum(p.seconds for p in parts),
+        latencies=[x for p in parts for x in p.latencies],
+        unexpected=sum(p.unexpected for p in parts),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Arm:
+    """One workload to compare; ``replay`` (optional) re-runs the keys ``fresh`` created."""
+
+    name: str
+    fresh: Callable[[str], Factory]
+    replay: Callable[[str], Factory] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Comparison:
+    """Per arm (and ``<arm>_replay``): the merged result and the per-round results."""
+
+    merged: dict[str, RunResult]
+    rounds: dict[str, list[RunResult]]
+
+    def ratio_range(self, a: str, b: str) -> tuple[float, float] | None:
+        """The smallest and largest per-round ``a/b`` throughput ratio."""
+        ra, rb = self.rounds.get(a), self.rounds.get(b)
+        if not ra or not rb:
+            return None
+        ratios = [x.ops_per_s / y.ops_per_s for x, y in zip(ra, rb, strict=True) if y.ops_per_s]
+        return (min(ratios), max(ratios)) if ratios else None
+
+
+def interleave(
+    arms: list[Arm], *, threads: int, total: int, replays: int, rounds: int, warmup: int
+) -> Comparison:
+    """Run the arms in alternation, ``rounds`` times, each time ``total/rounds`` operations.
+
+    On a shared or throttled machine throughput drifts by tens of percent over a minute;
+    alternating (and rotating the order every round) exposes every arm to the same drift, so
+    their ratio stays meaningful. Warm-up operations run first, untimed, per arm.
+    """
+    rounds = max(1, min(rounds, total))
+    per_round = split(total, rounds)
+    replay_per_round = split(min(replays, total), rounds)
+    tag = new_id()[-8:]
+    for arm in arms:
+        if warmup:
+            run_threads(threads, warmup, arm.fresh(f"{arm.name}-w-t{threads}-{tag}"))
+    collected: dict[str, list[RunResult]] = {}
+    for r in range(rounds):
+        order = arms[r % len(arms) :] + arms[: r % len(arms)]
+        for arm in order:
+            prefix = f"{arm.name}-r{r}-t{threads}-{tag}"  # arms never share a key
+            collected.setdefault(arm.name, []).append(
+                run_threads(threads, per_round[r], arm.fresh(prefix))
+            )
+            if arm.replay is not None and replay_per_round[r]:
+                collected.setdefault(f"{arm.name}_replay", []).append(
+                    run_threads(threads, replay_per_round[r], arm.replay(prefix))
+                )
+    return Comparison(
+        merged={name: merge(parts) for name, parts in collected.items()}, rounds=collected
+    )
+
+
+def key(prefix: str, thread: int, i: int) -> str:
+    return f"{prefix}-{thread}-{i}"
+
+
+# -- a provider that answers at once --------------------------------------------------------
+
+
+class InstantProvider:
+    """Answers ``succeeded`` in-process: ``execute()`` then measures the database path."""
+
+    def __init__(self, name: str = "instant") -> None:
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def idempotency_window(self) -> timedelta | None:
+        return timedelta(hours=24)
+
+    @property
+    def max_call_duration(self) -> timedelta:
+        return timedelta(milliseconds=10)
+
+    def submit(self, request: SubmitRequest) -> Answer:
+        return Answer(kind=AnswerKind.SUCCEEDED, provider_reference=f"ref_{request.operation_id}")
+
+    def query_status(self, query: StatusQuery) -> Answer:
+        return Answer(kind=AnswerKind.SUCCEEDED, provider_reference=f"ref_{query.operation_id}")
+
+    def parse_webhook(self, headers: Mapping[str, str], body: bytes) -> WebhookEvent:
+        raise WebhookSignatureInvalid("the instant provider sends no webhooks")
+
+
+# -- workloads: execute() -------------------------------------------------------------------
+
+
+def execute_workload(executor: Executor, tenant: str) -> Callable[[str], Factory]:
+    """Fresh keys: claim, (instant) provider call, recorded outcome."""
+
+    def factory_for(prefix: str) -> Factory:
+        def factory(t: int) -> Worker:
+            def op(i: int) -> bool:
+                out = executor.execute(
+                    tenant_id=tenant,
+                    operation=OPERATION,
+                    idempotency_key=key(prefix, t, i),
+                    request=REQUEST,
+                )
+                return out.state is State.SUCCEEDED and not out.replayed
+
+            return Worker(op)
+
+        return factory
+
+    return factory_for
+
+
+def replay_workload(executor: Executor, tenant: str) -> Callable[[str], Factory]:
+    """The keys an ``execute_workload`` run with the same prefix and thread count already
+    drove to ``succeeded`` (each thread replays a prefix of its own keys)."""
+
+    def factory_for(prefix: str) -> Factory:
+        def factory(t: int) -> Worker:
+            def op(i: int) -> bool:
+                out = executor.execute(
+                    tenant_id=tenant,
+                    operation=OPERATION,
+                    idempotency_key=key(prefix, t, i),
+                    request=REQUEST,
+                )
+                return out.state is State.SUCCEEDED and out.replayed
+
+            return Worker(op)
+
+        return factory
+
+    return factory_for
+
+
+# -- workloads: the raw psycopg floor on PostgreSQL -----------------------------------------
+
+PG_FLOOR_DDL = """
+CREATE TABLE IF NOT EXISTS bench_floor (
+    tenant_id varchar(64) NOT NULL,
+    id varchar(36) NOT NULL,
+    operation varchar(64) NOT NULL,
+    idempotency_key varchar(255) NOT NULL,
+    state varchar(20) NOT NULL,
+    provider_reference varchar(255),
+    version integer NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    updated_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (tenant_id, id),
+    UNIQUE (tenant_id, operation, idempotency_key)
+)
+"""
+
+PG_FLOOR_INSERT = """
+INSERT INTO bench_floor (tenant_id, id, operation, idempotency_key, state, version)
+VALUES (%s, %s, %s, %s, 'in_progress', 1)
+ON CONFLICT (tenant_id, operation, idempotency_key) DO NOTHING
+RETURNING id, version
+"""
+
+PG_FLOOR_UPDATE = """
+UPDATE bench_floor
+SET state = 'succeeded', provider_reference = %s, version = version + 1,
+    updated_at = clock_timestamp()
+WHERE tenant_id = %s AND id = %s AND version = %s
+RETURNING version
+"""
+
+PG_FLOOR_SELECT = """
+SELECT * FROM bench_floor WHERE tenant_id = %s AND operation = %s AND idempotency_key = %s
+"""
+
+
+def pg_floor_workload(conninfo: str, tenant: str) -> Callable[[str], Factory]:
+    """Per operation: INSERT ... ON CONFLICT DO NOTHING RETURNING + commit, UPDATE + commit."""
+
+    def factory_for(prefix: str) -> Factory:
+        def factory(t: int) -> Worker:
+            conn = psycopg.connect(conninfo)
+
+            def op(i: int) -> bool:
+                row = conn.execute(
+                    PG_FLOOR_INSERT, (tenant, new_id(), OPERATION, key(prefix, t, i))
+                ).fetchone()
+                conn.commit()
+                if row is None:
+                    return False
+                op_id, version = row
+                done = conn.execute(
+                    PG_FLOOR_UPDATE, (f"ref_{op_id}", tenant, op_id, version)
+                ).fetchone()
+                conn.commit()
+                return done is not None
+
+            return Worker(op, conn.close)
+
+        return factory
+
+    return factory_for
+
+
+def pg_replay_floor_workload(conninfo: str, tenant: str) -> Callable[[str], Factory]:
+    """One transaction: the claim INSERT finds the key taken, then reads the row; commit."""
+
+    def factory_for(prefix: str) -> Factory:
+        def factory(t: int) -> Worker:
+            conn = psycopg.connect(conninfo)
+
+            def op(i: int) -> bool:
+                k = key(prefix, t, i)
+                row = conn.execute(PG_FLOOR_INSERT, (tenant, new_id(), OPERATION, k)).fetchone()
+                found = conn.execute(PG_FLOOR_SELECT, (tenant, OPERATION, k)).fetchone()
+                conn.commit()
+                return row is None and found is not None
+
+            return Worker(op, conn.close)
+
+        return factory
+
+    return factory_for
+
+
+# -- workloads: payorch's own statements, hand-written ----------------------------------------
+
+PG_SHAPED_DDL = (
+    "CREATE TABLE IF NOT EXISTS bench_shaped_ops (LIKE payorch_operations INCLUDING ALL)",
+    "CREATE TABLE IF NOT EXISTS bench_shaped_events (LIKE payorch_events INCLUDING ALL)",
+)
+
+PG_SHAPED_CLAIM = """
+INSERT INTO bench_shaped_ops (
+    tenant_id, id, operation, idempotency_key, fingerprint, state, provider, downstream_key,
+    amount, currency, request, retention_seconds, possibly_sent, attempts, checks,
+    needs_attention, lease_owner, lease_expires_at, next_check_at, version, created_at,
+    updated_at)
+VALUES (%s, %s, %s, %s, %s, 'in_progress', 'instant', %s, 1999, 'EUR', %s, 2592000, true, 1, 0,
+    false, %s, clock_timestamp() + make_interval(secs => 60),
+    clock_timestamp() + make_interval(secs => 60), 1, clock_timestamp(), clock_timestamp())
+ON CONFLICT (tenant_id, operation, idempotency_key) DO NOTHING
+RETURNING *
+"""
+
+PG_SHAPED_EVENT = """
+INSERT INTO bench_shaped_events (
+    tenant_id, id, operation_id, kind, actor, from_state, to_state, version, detail, created_at)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, clock_timestamp())
+"""
+
+PG_SHAPED_RECORD = """
+UPDATE bench_shaped_ops
+SET state = 'succeeded', version = version + 1, updated_at = clock_timestamp(),
+    lease_owner = NULL, lease_expires_at = NULL, next_check_at = NULL,
+    completed_at = clock_timestamp(),
+    retain_until = clock_timestamp() + make_interval(secs => retention_seconds),
+    provider_reference = %s, response = %s, error_code = NULL, resolution = 'provider_answer'
+WHERE tenant_id = %s AND id = %s AND version = %s
+RETURNING *
+"""
+
+
+def pg_shaped_workload(conninfo: str, tenant: str) -> Callable[[str], Factory]:
+    """The statements ``execute()`` issues (claim + event; fenced update + event + NOTIFY),
+    hand-written in plain psycopg against copies of payorch's tables: what the SQL costs
+    without the library around it."""
+
+    def factory_for(prefix: str) -> Factory:
+        def factory(t: int) -> Worker:
+            conn = psycopg.connect(conninfo)
+            owner = f"bench:{t}"
+
+            def op(i: int) -> bool:
+                k = key(prefix, t, i)
+                op_id = new_id()
+                claimed = conn.execute(
+                    PG_SHAPED_CLAIM,
+                    (
+                        tenant,
+                        op_id,
+                        OPERATION,
+                        k,
+                        FINGERPRINT,
+                        f"payorch:{op_id}:submit",
+                        Json(dict(REQUEST)),
+                        owner,
+                    ),
+                ).fetchone()
+                if claimed is None:
+                    conn.commit()
+                    return False
+                detail = {"idempotency_key": k, "fingerprint": FINGERPRINT}
+                conn.execute(
+                    PG_SHAPED_EVENT,
+                    (
+                        tenant,
+                        new_id(),
+                        op_id,
+                        "claimed",
+                        owner,
+                        None,
+                        "in_progress",
+                        1,
+                        Json(detail),
+                    ),
+                )
+                conn.commit()
+                ref = f"ref_{op_id}"
+                response = {
+                    "status": "succeeded",
+                    "http_status": 200,
+                    "provider_reference": ref,
+                    "provider_response": None,
+                }
+                done = conn.execute(
+                    PG_SHAPED_RECORD, (ref, Json(response), tenant, op_id, 1)
+                ).fetchone()
+                evidence = {"attempt": 1, "kind": "succeeded", "provider_reference": ref}
+                conn.execute(
+                    PG_SHAPED_EVENT,
+                    (
+                        tenant,
+                        new_id(),
+                        op_id,
+                        "provider_answer",
+                        owner,
+                        "in_progress",
+                        "succeeded",
+                        2,
+                        Json(evidence),
+                    ),
+                )
+                conn.execute("SELECT pg_notify('bench_shaped', %s)", (f"{tenant}:{op_id}",))
+                conn.commit()
+                return done is not None
+
+            return Worker(op, conn.close)
+
+        return factory
+
+    return factory_for
+
+
+def prepare_pg_floors(conninfo: str) -> None:
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute(PG_FLOOR_DDL)
+        for ddl in PG_SHAPED_DDL:
+            conn.execute(ddl)
+
+
+# -- workloads: the raw floor on SQLite ------------------------------------------------------
+
+SQLITE_FLOOR_DDL = """
+CREATE TABLE IF NOT EXISTS bench_floor (
+    tenant_id TEXT NOT NULL,
+    id TEXT NOT NULL,
+    operation TEXT NOT NULL,
+    idempotency_key TEXT NOT NULL,
+    state TEXT NOT NULL,
+    provider_reference TEXT,
+    version INTEGER NOT NULL,
+    created_at TEXT NOT NULL DEFAULT (strftime('%Y-%m-%d %H:%M:%f', 'now')),
+    updated_at TEXT NOT NULL DEFAULT (strftime('%Y-%m-%d %H:%M:%f', 'now')),
+    PRIMARY KEY (tenant_id, id),
+    UNIQUE (tenant_id, operation, idempotency_key)
+)
+"""
+
+SQLITE_FLOOR_INSERT = """
+INSERT INTO bench_floor (tenant_id, id, operation, idempotency_key, state, version)
+VALUES (?, ?, ?, ?, 'in_progress', 1)
+ON CONFLICT (tenant_id, operation, idempotency_key) DO NOTHING
+RETURNING id, version
+"""
+
+SQLITE_FLOOR_UPDATE = """
+UPDATE bench_floor
+SET state = 'succeeded', provider_reference = ?, version = version + 1,
+    updated_at = strftime('%Y-%m-%d %H:%M:%f', 'now')
+WHERE tenant_id = ? AND id = ? AND version = ?
+RETURNING version
+"""
+
+
+def sqlite_connect(path: str) -> sqlite3.Connection:
+    """The pragmas payorch's SQLite engine sets (WAL, synchronous=NORMAL, busy timeout)."""
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA busy_timeout=30000")
+    return conn
+
+
+def prepare_sqlite_floor(path: str) -> None:
+    conn = sqlite_connect(path)
+    try:
+        conn.execute(SQLITE_FLOOR_DDL)
+    finally:
+        conn.close()
+
+
+def sqlite_floor_workload(path: str, tenant: str) -> Callable[[str], Factory]:
+    """The same two commits in plain sqlite3, each transaction ``BEGIN IMMEDIATE``."""
+
+    def factory_for(prefix: str) -> Factory:
+        def factory(t: int) -> Worker:
+            conn = sqlite_connect(path)
+
+            def op(i: int) -> bool:
+                conn.execute("BEGIN IMMEDIATE")
+                # fetchall: a RETURNING statement must finish before its COMMIT.
+                rows = conn.execute(
+                    SQLITE_FLOOR_INSERT, (tenant, new_id(), OPERATION, key(prefix, t, i))
+                ).fetchall()
+                conn.execute("COMMIT")
+                if not rows:
+                    return False
+                op_id, version = rows[0]
+                conn.execute("BEGIN IMMEDIATE")
+                done = conn.execute(
+                    SQLITE_FLOOR_UPDATE, (f"ref_{op_id}", tenant, op_id, version)
+                ).fetchall()
+                conn.execute("COMMIT")
+                return bool(done)
+
+            return Worker(op, conn.close)
+
+        return factory
+
+    return factory_for

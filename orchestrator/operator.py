@@ -9,14 +9,14 @@ rather than overwrite what it decided.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from .core import ACTIVE_STATES, State
-from .db import read_in_transaction, run_in_transaction
+from .core import State
+from .db import read_in_transaction
 from .errors import (
     InvalidRequest,
     InvalidTransition,
@@ -27,8 +27,8 @@ from .errors import (
 )
 from .reconciler import Reconciler
 from .records import OperationRecord
-from .store import Store, new_id
-from .tables import db_now, db_now_plus, events, operations
+from .store import Store
+from .tables import db_now, operations
 
 __all__ = [
     "RESOLUTION_EVENT",
@@ -194,53 +194,14 @@ def _take_lease(
     store: Store, record: OperationRecord, *, owner: str, actor: str, lease_seconds: float
 ) -> tuple[OperationRecord, datetime]:
     """Lease one operation if its lease is free or expired: one fenced UPDATE + an event."""
-    t = operations.c
-
-    def txn(conn: Connection) -> tuple[OperationRecord, datetime]:
-        row = (
-            conn.execute(
-                sa.update(operations)
-                .where(
-                    t.tenant_id == record.tenant_id,
-                    t.id == record.id,
-                    t.version == record.version,
-                    t.state.in_([s.value for s in ACTIVE_STATES]),
-                    sa.or_(t.lease_expires_at.is_(None), t.lease_expires_at <= db_now()),
-                )
-                .values(
-                    lease_owner=owner,
-                    lease_expires_at=db_now_plus(sa.literal(lease_seconds)),
-                    version=t.version + 1,
-                    updated_at=db_now(),
-                )
-                .returning(*operations.c, db_now().label("_now"))
-            )
-            .mappings()
-            .first()
-        )
-        if row is None:
-            raise StaleVersion(
-                f"operation {record.id} changed or was leased meanwhile; try again",
-                operation_id=record.id,
-            )
-        leased = OperationRecord.from_row(row)
-        conn.execute(
-            sa.insert(events).values(
-                tenant_id=leased.tenant_id,
-                id=new_id(),
-                operation_id=leased.id,
-                kind=RECHECK_EVENT,
-                actor=actor,
-                from_state=None,
-                to_state=None,
-                version=None,
-                detail={"lease_owner": owner, "lease_seconds": lease_seconds},
-                created_at=db_now(),
-            )
-        )
-        return leased, row["_now"]
-
-    return run_in_transaction(store.engine, txn)
+    return store.lease_one(
+        record,
+        owner=owner,
+        lease=timedelta(seconds=lease_seconds),
+        kind=RECHECK_EVENT,
+        actor=actor,
+        detail={"lease_owner": owner, "lease_seconds": lease_seconds},
+    )
 
 
 def recheck(

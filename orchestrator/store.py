@@ -30,7 +30,8 @@ from .errors import (
     StaleVersion,
 )
 from .records import ClaimResult, EventRecord, NewOperation, OperationRecord
-from .tables import db_now, db_now_plus, events, operations
+from .statements import EVENT_INSERT, build_claim, build_update, lease_row
+from .tables import db_now, events, operations
 from .waiting import NOTIFY_CHANNEL, wait_until_settled
 
 __all__ = ["NOTIFY_CHANNEL", "Store", "new_id"]
@@ -50,47 +51,10 @@ class Store:
         self.engine = engine
         self.dialect = engine.dialect.name
         # Hot statements are built once: SQLAlchemy then skips coercion and cache-key work.
-        self._claim_stmt = self._build_claim()
-        self._updates: dict[tuple[Any, ...], Any] = {}
-
-    def _build_claim(self) -> Any:
-        c = operations.c
-        bound = {
-            name: sa.bindparam(f"c_{name}", type_=c[name].type)
-            for name in (
-                "tenant_id",
-                "id",
-                "operation",
-                "idempotency_key",
-                "fingerprint",
-                "state",
-                "provider",
-                "downstream_key",
-                "amount",
-                "currency",
-                "request",
-                "retention_seconds",
-                "possibly_sent",
-                "attempts",
-                "lease_owner",
-            )
-        }
-        lease_s = sa.bindparam("c_lease_s", type_=sa.Float)
-        return (
-            self._insert(operations)
-            .values(
-                **bound,
-                checks=0,
-                needs_attention=False,
-                version=1,
-                lease_expires_at=db_now_plus(lease_s),
-                next_check_at=db_now_plus(lease_s),
-                created_at=db_now(),
-                updated_at=db_now(),
-            )
-            .on_conflict_do_nothing(index_elements=["tenant_id", "operation", "idempotency_key"])
-            .returning(*operations.c)
+        self._claim_stmt = build_claim(
+            postgresql.insert if self.dialect == "postgresql" else sqlite.insert
         )
+        self._updates: dict[tuple[Any, ...], Any] = {}
 
     @classmethod
     def from_url(cls, url: str | URL, **engine_kwargs: Any) -> Store:
@@ -332,7 +296,7 @@ class Store:
         )
         stmt = self._updates.get(shape) if guard is None else None
         if stmt is None:
-            stmt = _build_update(shape, guard)
+            stmt = build_update(shape, guard)
             if guard is None:
                 self._updates[shape] = stmt
         params: dict[str, Any] = {f"u_{k}": v for k, v in plain.items()}
@@ -469,24 +433,52 @@ class Store:
             picked = conn.execute(pick).all()
             out: list[tuple[OperationRecord, datetime]] = []
             for tenant_id, op_id, version in picked:
-                row = (
-                    conn.execute(
-                        sa.update(operations)
-                        .where(t.tenant_id == tenant_id, t.id == op_id, t.version == version)
-                        .values(
-                            lease_owner=owner,
-                            lease_expires_at=db_now_plus(sa.literal(lease_s)),
-                            version=t.version + 1,
-                            updated_at=db_now(),
-                        )
-                        .returning(*operations.c, db_now().label("_now"))
-                    )
-                    .mappings()
-                    .first()
-                )
-                if row is not None:
-                    out.append((OperationRecord.from_row(row), row["_now"]))
+                leased = lease_row(conn, tenant_id, op_id, version, owner=owner, lease_s=lease_s)
+                if leased is not None:
+                    out.append(leased)
             return out
+
+        return run_in_transaction(self.engine, txn)
+
+    def lease_one(
+        self,
+        record: OperationRecord,
+        *,
+        owner: str,
+        lease: timedelta,
+        kind: str,
+        actor: str,
+        detail: Mapping[str, Any],
+    ) -> tuple[OperationRecord, datetime]:
+        """Lease one active operation whose lease is free or expired, with an event.
+
+        Raises StaleVersion if it changed since ``record`` was read or someone holds it.
+        """
+
+        def txn(conn: Connection) -> tuple[OperationRecord, datetime]:
+            leased = lease_row(
+                conn,
+                record.tenant_id,
+                record.id,
+                record.version,
+                owner=owner,
+                lease_s=lease.total_seconds(),
+            )
+            if leased is None:
+                raise StaleVersion(
+                    f"operation {record.id} changed or was leased meanwhile; try again",
+                    operation_id=record.id,
+                )
+            self._add_event(
+                conn,
+                leased[0],
+                kind=kind,
+                actor=actor,
+                from_state=None,
+                to_state=None,
+                detail=detail,
+            )
+            return leased
 
         return run_in_transaction(self.engine, txn)
 
@@ -539,7 +531,7 @@ class Store:
         detail: Mapping[str, Any] | None,
     ) -> None:
         conn.execute(
-            _EVENT_INSERT,
+            EVENT_INSERT,
             {
                 "e_tenant_id": record.tenant_id,
                 "e_id": new_id(),
@@ -552,71 +544,6 @@ class Store:
                 "e_detail": dict(detail) if detail is not None else None,
             },
         )
-
-
-_EVENT_INSERT = sa.insert(events).values(
-    **{
-        name: sa.bindparam(f"e_{name}", type_=events.c[name].type)
-        for name in (
-            "tenant_id",
-            "id",
-            "operation_id",
-            "kind",
-            "actor",
-            "from_state",
-            "to_state",
-            "version",
-            "detail",
-        )
-    },
-    created_at=db_now(),
-)
-
-
-def _build_update(shape: tuple[Any, ...], guard: sa.ColumnElement[bool] | None) -> Any:
-    """The fenced UPDATE for one shape of transition (see ``Store.transition``)."""
-    plain, lease, next_check, terminal, attempts, checks, notify = shape
-    t = operations.c
-    values: dict[str, Any] = {name: sa.bindparam(f"u_{name}", type_=t[name].type) for name in plain}
-    values["state"] = sa.bindparam("u_state", type_=t.state.type)
-    values["version"] = t.version + 1
-    values["updated_at"] = db_now()
-    if lease:
-        lease_s = sa.bindparam("u_lease_s", type_=sa.Float)
-        values["lease_expires_at"] = db_now_plus(lease_s)
-        values["next_check_at"] = db_now_plus(lease_s)
-    else:
-        values["lease_owner"] = None
-        values["lease_expires_at"] = None
-        values["next_check_at"] = None
-    if next_check:
-        values["next_check_at"] = db_now_plus(sa.bindparam("u_next_s", type_=sa.Float))
-    if terminal:
-        values["completed_at"] = db_now()
-        values["next_check_at"] = None
-        values["retain_until"] = db_now_plus(t.retention_seconds)
-    if attempts:
-        values["attempts"] = t.attempts + sa.bindparam("u_attempts", type_=sa.Integer)
-    if checks:
-        values["checks"] = t.checks + sa.bindparam("u_checks", type_=sa.Integer)
-    returning: list[Any] = list(operations.c)
-    if notify:
-        # Waiters wake on this; RETURNING carries it, saving a round trip per transition.
-        payload = sa.func.concat(t.tenant_id, ":", t.id)
-        returning.append(
-            sa.func.pg_notify(sa.bindparam("u_channel", type_=sa.String), payload).label("_n")
-        )
-    return (
-        sa.update(operations)
-        .where(
-            t.tenant_id == sa.bindparam("w_tenant_id", type_=t.tenant_id.type),
-            t.id == sa.bindparam("w_id", type_=t.id.type),
-            t.version == sa.bindparam("w_version", type_=t.version.type),
-            guard if guard is not None else sa.true(),
-        )
-        .values(**values)
-        .returning(*returning)
-    )
 
 
 def _duplicate_kind(existing: OperationRecord, new: NewOperation) -> str | None:

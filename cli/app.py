@@ -115,9 +115,19 @@ def db_current(database_url_: DatabaseUrl = None) -> None:
     out().print(f"current: {current or 'none'}  head: {head}  ({state})")
 
 
+DemoDatabaseUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--database-url",
+        help="Run on this database (its own tenant); default: a temporary SQLite file.",
+        show_default=False,
+    ),
+]
+
+
 @app.command("demo")
 def demo_cmd(
-    database_url_: DatabaseUrl = None,
+    database_url_: DemoDatabaseUrl = None,
     payments: Annotated[int, typer.Option(help="Number of logical payments.")] = 300,
     seed: Annotated[int, typer.Option(help="Seed for clients and faults.")] = 7,
 ) -> None:

@@ -72,8 +72,15 @@ class Tally:
 
 
 def run_demo(*, database_url: str | None, payments: int, seed: int, console: Console) -> bool:
+    if database_url is not None:
+        return _run(database_url, payments, seed, console)
+    # The default: a throwaway SQLite file, removed afterwards.
+    with tempfile.TemporaryDirectory(prefix="payorch-demo-") as tmp:
+        return _run(f"sqlite:///{Path(tmp) / 'demo.db'}", payments, seed, console)
+
+
+def _run(url: str, payments: int, seed: int, console: Console) -> bool:
     started = time.monotonic()
-    url = database_url or f"sqlite:///{Path(tempfile.mkdtemp(prefix='payorch-demo-')) / 'demo.db'}"
     tenant = f"demo-{uuid.uuid4().hex[:8]}"
     migrate.upgrade(url)
     store = Store.from_url(url)
@@ -112,7 +119,7 @@ def run_demo(*, database_url: str | None, payments: int, seed: int, console: Con
             f"{tally.replays} replays, {tally.in_progress_answers} in-progress answers, "
             f"{tally.reuse_refused}/{tally.reuse_attempts} changed-amount reuses refused"
         )
-        webhook_results = _settle(store, provider, sandbox, seed)
+        webhook_results = _settle(store, provider, sandbox, seed, tenant)
         ok = _report(
             store, sandbox, tenant=tenant, tally=tally, webhooks=webhook_results, console=console
         )
@@ -193,13 +200,14 @@ def _clients(executor: Executor, tenant: str, payments: int, seed: int, tally: T
 
 
 def _settle(
-    store: Store, provider: SandboxProvider, sandbox: SandboxServer, seed: int
+    store: Store, provider: SandboxProvider, sandbox: SandboxServer, seed: int, tenant: str
 ) -> Counter[str]:
     """Reconciler passes plus webhook deliveries (some lost, some repeated, out of order)."""
     rnd = random.Random(seed + 1)  # noqa: S311 - a seeded simulation
     reconciler = Reconciler(
         store=store,
         providers=[provider],
+        tenant_ids=[tenant],  # a shared database: never touch other tenants' payments
         policy=ReconcilerPolicy(
             lease=timedelta(seconds=20),
             batch_size=100,
@@ -220,12 +228,12 @@ def _settle(
         batch += [d for d in batch if rnd.random() < 0.3]  # and some arrive twice
         rnd.shuffle(batch)
         for d in batch:
-            tenant = json_tenant(d.body)
-            if tenant is None:
+            owner = json_tenant(d.body)
+            if owner is None:
                 continue
-            results[handler.handle(tenant, "sandbox", d.headers, d.body).status.value] += 1
+            results[handler.handle(owner, "sandbox", d.headers, d.body).status.value] += 1
         reconciler.reconcile_once()
-        if _active(store) == 0:
+        if _active(store, tenant) == 0:
             break
         time.sleep(0.2)  # let the next checks fall due
     return results
@@ -240,13 +248,16 @@ def json_tenant(body: bytes) -> str | None:
     return tenant if isinstance(tenant, str) else None
 
 
-def _active(store: Store) -> int:
+def _active(store: Store, tenant: str) -> int:
     with store.engine.connect() as conn:
         return int(
             conn.execute(
                 sa.select(sa.func.count())
                 .select_from(operations)
-                .where(operations.c.state.in_(("in_progress", "outcome_unknown")))
+                .where(
+                    operations.c.tenant_id == tenant,
+                    operations.c.state.in_(("in_progress", "outcome_unknown")),
+                )
             ).scalar_one()
         )
 

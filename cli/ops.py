@@ -82,6 +82,11 @@ def list_cmd(
     needs_attention: Annotated[
         bool, typer.Option("--needs-attention", help="Only operations flagged for a human.")
     ] = False,
+    reference: Annotated[
+        str | None,
+        typer.Option(help="The provider's id for the effect (e.g. a pi_… from its dashboard)."),
+    ] = None,
+    key: Annotated[str | None, typer.Option(help="The client's idempotency key.")] = None,
     limit: Annotated[int, typer.Option(min=1, max=queries.MAX_PAGE, help="Page size.")] = 50,
     after: Annotated[
         str | None,
@@ -99,6 +104,8 @@ def list_cmd(
             provider=provider,
             older_than=older_than,
             needs_attention=True if needs_attention else None,
+            provider_reference=reference,
+            idempotency_key=key,
             limit=limit,
             cursor=after,
         )

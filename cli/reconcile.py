@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 from typing import Annotated
 
@@ -70,6 +71,10 @@ def run_cmd(
 
     config = settings()
     seconds = interval or config.reconcile_interval_seconds
+    # A pass longer than the interval is skipped by design (no overlapping passes); that
+    # is not worth a warning line every interval.
+    logging.getLogger("apscheduler.scheduler").setLevel(logging.ERROR)
+    logging.getLogger("apscheduler.executors").setLevel(logging.ERROR)
     console = err()  # progress goes to stderr: stdout stays free for the final summary
 
     def on_report(report: ReconcileReport) -> None:

@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -129,11 +130,11 @@ def show_page(console: Console, page: Page) -> None:
         return
     table = Table(box=None, header_style="bold", pad_edge=False)
     for name in operation_row(page.items[0], page.now):
-        table.add_column(name, no_wrap=name in ("id", "age", "state"), overflow="fold")
+        table.add_column(name, no_wrap=True)
     for record in page.items:
         style = "red" if record.needs_attention else None
         table.add_row(*(Text(v) for v in operation_row(record, page.now).values()), style=style)
-    console.print(table)
+    print_wide(console, table)
     if page.has_more:
         console.print(f"more: add --after {page.next_cursor}", highlight=False, markup=False)
 
@@ -217,10 +218,13 @@ def show_operation(
     console.print()
     table = Table(title="timeline", box=None, header_style="bold", title_justify="left")
     for name in ("time", "after", "kind", "actor", "state", "took", "evidence"):
-        table.add_column(name, no_wrap=name != "evidence", overflow="fold")
+        evidence = name == "evidence"
+        table.add_column(
+            name, no_wrap=not evidence, overflow="fold", min_width=60 if evidence else None
+        )
     for row in event_rows(timeline):
         table.add_row(*(Text(v) for v in row.values()))
-    console.print(table)
+    print_wide(console, table)
 
 
 def show_stats(console: Console, stats: Stats) -> None:
@@ -282,3 +286,21 @@ def show_reap(console: Console, report: ReapReport) -> None:
     else:
         skipped = f" ({report.skipped} changed meanwhile, skipped)" if report.skipped else ""
         console.print(f"reaped {report.reaped} namespaces{skipped}")
+
+
+def print_wide(console: Console, table: Table) -> None:
+    """Print a table at its natural width, even past a narrow terminal's edge.
+
+    Squeezed into 80 columns, ids and amounts shrink to nothing; a long line the terminal
+    wraps is still readable, and piped output is never cut.
+    """
+    needed = Measurement.get(console, console.options.update_width(10_000), table).maximum
+    if needed <= console.width:
+        console.print(table)
+        return
+    saved = console.width
+    console.width = needed
+    try:
+        console.print(table)
+    finally:
+        console.width = saved

@@ -95,6 +95,9 @@ _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
+_MAX_DURATION_SECONDS = 100 * 365 * 86400  # beyond this, datetime arithmetic overflows
+
+
 def parse_duration(text: str) -> timedelta:
     """``30s``, ``15m``, ``2h``, ``1d``, ``1w`` or a sum such as ``1h30m``."""
     value = text.strip().lower()
@@ -109,6 +112,8 @@ def parse_duration(text: str) -> timedelta:
         raise typer.BadParameter(
             f"{text!r} is not a duration; use a number and a unit, e.g. 30s, 15m, 2h, 1d"
         )
+    if total > _MAX_DURATION_SECONDS:
+        raise typer.BadParameter(f"{text!r} is longer than 100 years")
     return timedelta(seconds=total)
 
 

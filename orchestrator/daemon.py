@@ -17,6 +17,7 @@ from types import FrameType
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
+from .errors import StorageError
 from .reconciler import Reconciler, ReconcileReport
 
 __all__ = ["ReconcilerDaemon"]
@@ -49,6 +50,9 @@ class ReconcilerDaemon:
             return
         try:
             report = self.reconciler.reconcile_once(stop=self.stop_event)
+        except StorageError as exc:  # the database is away: one line, the next pass retries
+            log.warning("reconcile pass skipped: %s", " ".join(exc.message.split()))
+            return
         except Exception:  # a bad pass must not kill the daemon; the next one retries
             log.exception("reconcile pass failed")
             return

@@ -93,7 +93,16 @@ def _is_retryable(err: exc.DBAPIError) -> bool:
     )
 
 
+def _missing_schema(err: exc.SQLAlchemyError) -> bool:
+    orig = getattr(err, "orig", None)
+    if getattr(orig, "sqlstate", None) == "42P01":  # undefined_table
+        return True
+    return isinstance(orig, sqlite3.OperationalError) and "no such table" in str(orig)
+
+
 def map_db_error(err: exc.SQLAlchemyError) -> StorageError:
+    if _missing_schema(err):
+        return StorageError("the database has no payorch schema: run `payorch db upgrade`")
     if isinstance(err, exc.DBAPIError) and err.connection_invalidated:
         return DatabaseUnavailable(f"database connection lost: {err.orig}")
     if isinstance(err, exc.OperationalError):

@@ -10,11 +10,12 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util.exc import CommandError
 from sqlalchemy import exc
 from sqlalchemy.engine import URL
 
 from .db import create_engine, map_db_error, normalise_url
-from .errors import ConfigurationError
+from .errors import ConfigurationError, InvalidRequest
 
 __all__ = ["current_revision", "downgrade", "head_revision", "upgrade"]
 
@@ -40,6 +41,8 @@ def _config(url: str | URL) -> Config:
 def upgrade(url: str | URL, revision: str = "head") -> None:
     try:
         command.upgrade(_config(url), revision)
+    except CommandError as err:
+        raise InvalidRequest(f"cannot upgrade to {revision!r}: {err}") from None
     except exc.SQLAlchemyError as err:
         raise map_db_error(err) from err
 
@@ -47,6 +50,8 @@ def upgrade(url: str | URL, revision: str = "head") -> None:
 def downgrade(url: str | URL, revision: str = "base") -> None:
     try:
         command.downgrade(_config(url), revision)
+    except CommandError as err:
+        raise InvalidRequest(f"cannot downgrade to {revision!r}: {err}") from None
     except exc.SQLAlchemyError as err:
         raise map_db_error(err) from err
 
@@ -57,7 +62,10 @@ def head_revision() -> str | None:
 
 
 def current_revision(url: str | URL) -> str | None:
-    engine = create_engine(url)
+    parsed = normalise_url(url)
+    if parsed.get_backend_name() == "sqlite" and not Path(parsed.database or "").exists():
+        return None  # asking must not create the file
+    engine = create_engine(parsed)
     try:
         with engine.connect() as conn:
             return MigrationContext.configure(conn).get_current_revision()

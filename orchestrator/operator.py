@@ -86,7 +86,8 @@ def _lease_remaining(record: OperationRecord, now: datetime) -> float:
 def check_resolvable(record: OperationRecord, now: datetime) -> None:
     """Refuse what an operator may not resolve: terminal, or held by a live lease.
 
-    ``outcome_unknown`` and an abandoned ``in_progress`` (lease expired) are resolvable. An
+    ``outcome_unknown`` and an abandoned ``in_progress`` (lease expired, nothing possibly
+    sent) are resolvable; a possibly-sent ``in_progress`` must be checked first. An
     ``outcome_unknown`` the reconciler is checking right now is refused too: its evidence
     may be about to land, and a resolution must not race it.
     """
@@ -103,6 +104,14 @@ def check_resolvable(record: OperationRecord, now: datetime) -> None:
             f"operation {record.id} is leased by {holder} for {remaining:.0f}s more",
             operation_id=record.id,
             retry_after=max(1.0, round(remaining, 1)),
+        )
+    if record.state is State.IN_PROGRESS and record.possibly_sent:
+        # Not abandoned: a worker died after (possibly) sending. The provider may hold an
+        # effect nobody has asked about yet; its evidence comes first.
+        raise InvalidTransition(
+            f"operation {record.id} is in_progress and possibly sent: the provider may hold "
+            "an effect; run `payorch ops recheck` (or let the reconciler check it) first",
+            operation_id=record.id,
         )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from .core import State
+from .core import State, validate_tenant
 from .db import read_in_transaction
 from .errors import InvalidRequest
 from .records import OperationRecord
@@ -117,12 +117,15 @@ def list_operations(
     provider: str | None = None,
     older_than: timedelta | None = None,
     needs_attention: bool | None = None,
+    provider_reference: str | None = None,
+    idempotency_key: str | None = None,
     limit: int = 50,
     cursor: str | None = None,
 ) -> Page:
     """Operations matching every given filter, newest first; ``cursor`` continues a listing.
 
     ``older_than`` keeps operations created at least that long ago (database clock).
+    ``provider_reference`` finds the operation behind an id seen in a provider's dashboard.
     """
     if not 1 <= limit <= MAX_PAGE:
         raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}")
@@ -133,7 +136,11 @@ def list_operations(
     if state is not None:
         where.append(t.state == state.value)
     if tenant_id is not None:
-        where.append(t.tenant_id == tenant_id)
+        where.append(t.tenant_id == validate_tenant(tenant_id))
+    if provider_reference is not None:
+        where.append(t.provider_reference == provider_reference)
+    if idempotency_key is not None:
+        where.append(t.idempotency_key == idempotency_key)
     if operation is not None:
         where.append(t.operation == operation)
     if provider is not None:

@@ -11,7 +11,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -72,6 +72,7 @@ class Reconciler:
         owner: str | None = None,
         submit_retry: RetryPolicy | None = None,
         rand: Callable[[], float] = random.random,
+        tenant_ids: Collection[str] | None = None,
     ) -> None:
         self.store = store
         self.providers = {p.name: p for p in providers}
@@ -79,6 +80,8 @@ class Reconciler:
         self.owner = owner or default_owner("reconciler")
         self.submit_retry = submit_retry or RetryPolicy(max_attempts=1)
         self._rand = rand
+        # None: every tenant. A set: only those (a daemon per shard, or the demo's own).
+        self.tenant_ids = frozenset(tenant_ids) if tenant_ids is not None else None
         for p in self.providers.values():
             # A check may cost three calls: a lookup by metadata, a read by reference, and
             # a re-submission. The lease must cover them all.
@@ -96,7 +99,10 @@ class Reconciler:
         """Lease one batch of due operations and settle what evidence allows."""
         report = ReconcileReport()
         batch = self.store.claim_due(
-            owner=self.owner, lease=self.policy.lease, limit=self.policy.batch_size
+            owner=self.owner,
+            lease=self.policy.lease,
+            limit=self.policy.batch_size,
+            tenant_ids=self.tenant_ids,
         )
         report.picked = len(batch)
         for i, (record, now) in enumerate(batch):
@@ -177,6 +183,8 @@ class Reconciler:
             "duration_ms": round((time.monotonic() - started) * 1000, 1),
             **answer.evidence(),
         }
+        # "possibly sent" describes submissions; for a read it would only mislead.
+        detail.pop("possibly_sent", None)
         if answer.kind is AnswerKind.SUCCEEDED:
             self._finish(
                 record,
@@ -325,8 +333,9 @@ class Reconciler:
         too_old = now - record.created_at >= self.policy.max_unknown_age
         flag = attention or record.needs_attention or checks >= self.policy.max_checks or too_old
         if flag and not record.needs_attention:
+            age_s = (now - record.created_at).total_seconds()
             detail["needs_attention"] = (
-                "escalated" if attention else f"{checks} checks / age {now - record.created_at}"
+                "escalated" if attention else f"{checks} checks, {age_s:.0f}s old"
             )
         extra: dict[str, Any] = {}
         if reference is not None:

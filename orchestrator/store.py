@@ -11,7 +11,7 @@ Times are the database's (``db_now``), so hosts with skewed clocks agree on leas
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -406,13 +406,19 @@ class Store:
     # -- the reconciler's work queue --------------------------------------------------
 
     def claim_due(
-        self, *, owner: str, lease: timedelta, limit: int
+        self,
+        *,
+        owner: str,
+        lease: timedelta,
+        limit: int,
+        tenant_ids: Collection[str] | None = None,
     ) -> list[tuple[OperationRecord, datetime]]:
         """Lease up to ``limit`` due operations for ``owner``; return them with the DB time.
 
         Due: ``outcome_unknown`` whose next check has come, or ``in_progress`` whose lease
         expired. PostgreSQL picks with ``FOR UPDATE SKIP LOCKED`` so daemons on many hosts
         take disjoint batches; the lease then keeps others off until it expires.
+        ``tenant_ids`` limits the scan to those tenants (a daemon per shard or per tenant).
         """
         t = operations.c
         lease_s = lease.total_seconds()
@@ -424,6 +430,7 @@ class Store:
                     t.state.in_(("in_progress", "outcome_unknown")),
                     t.next_check_at <= db_now(),
                     sa.or_(t.lease_expires_at.is_(None), t.lease_expires_at <= db_now()),
+                    t.tenant_id.in_(sorted(tenant_ids)) if tenant_ids is not None else sa.true(),
                 )
                 .order_by(t.next_check_at)
                 .limit(limit)

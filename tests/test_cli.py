@@ -504,3 +504,16 @@ def test_reconcile_run_stops_on_sigterm(db_url: str, world: World) -> None:
         stdout, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0
     assert stdout.startswith("stopped after")
+
+
+def test_list_finds_an_operation_by_provider_reference_or_key(db_url: str, world: World) -> None:
+    ref = world.succeeded.provider_reference
+    assert ref is not None
+    assert ids(listed(db_url, "--reference", ref)) == {world.succeeded.id}
+    key = world.unknown.idempotency_key
+    assert ids(listed(db_url, "--key", key, "--tenant", world.unknown.tenant_id)) == {
+        world.unknown.id
+    }
+    assert listed(db_url, "--reference", "pi_nobody") == []
+    bad = run(db_url, "ops", "list", "--tenant", "bad tenant")
+    assert bad.exit_code == 1 and "tenant id" in bad.stderr

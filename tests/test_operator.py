@@ -124,6 +124,15 @@ def test_resolve_an_abandoned_in_progress(store: Store) -> None:
     assert done.lease_owner is None
 
 
+def test_resolve_refuses_a_possibly_sent_in_progress_until_checked(store: Store) -> None:
+    # A worker died after sending: only the provider can say what happened.
+    op = claim(store, "k1", lease=timedelta(seconds=-1), possibly_sent=True)
+    before = snapshot(store)
+    with pytest.raises(InvalidTransition, match="recheck"):
+        resolve(store, op, to=State.FAILED_FINAL, reason="looks dead")
+    assert snapshot(store) == before
+
+
 def test_resolve_refuses_a_live_lease(store: Store) -> None:
     live = claim(store, "k1")
     before = snapshot(store)

@@ -345,3 +345,27 @@ def test_kill_9_at_every_fault_point_ends_with_one_effect(
     assert final.state is State.SUCCEEDED
     assert effects(sandbox, record.id) == 1
     assert len(sandbox.ledger()) == 1
+
+
+def test_a_reconciler_scoped_to_tenants_leaves_the_others_alone(
+    store: Store, sandbox: SandboxServer, sandbox_provider: SandboxProvider, executor: Executor
+) -> None:
+    sandbox.inject("drop_after", times=2)
+    ours, theirs = (
+        executor.execute(
+            tenant_id=tenant, operation="payment.create", idempotency_key="k", request=PAYMENT
+        )
+        for tenant in ("ours", "theirs")
+    )
+    for outcome in (ours, theirs):
+        assert outcome.state is State.OUTCOME_UNKNOWN
+        make_due(store, outcome.operation_id)
+    scoped = Reconciler(
+        store=store,
+        providers=[sandbox_provider],
+        policy=ReconcilerPolicy(lease=timedelta(seconds=30)),
+        tenant_ids=["ours"],
+    )
+    assert scoped.reconcile_once().outcomes == Counter({"succeeded": 1})
+    assert store.get("ours", ours.operation_id).state is State.SUCCEEDED
+    assert store.get("theirs", theirs.operation_id).state is State.OUTCOME_UNKNOWN

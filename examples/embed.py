@@ -2,7 +2,7 @@
 
 from datetime import timedelta
 
-from orchestrator import Executor, OperationInProgress, Store, default_registry
+from orchestrator import Executor, PayorchError, Store, default_registry, http_answer
 from orchestrator.migrate import upgrade
 from providers.sandbox import SandboxProvider, SandboxServer
 
@@ -22,7 +22,7 @@ with SandboxServer() as acquirer, SandboxProvider(base_url=acquirer.url) as sand
             idempotency_key="order-1001",  # the client's Idempotency-Key header
             request={"amount": 1999, "currency": "EUR", "customer": "cus_42"},
         )
-    except OperationInProgress as busy:  # answer 409 with Retry-After: busy.retry_after
-        raise SystemExit(f"in progress, retry after {busy.retry_after}s") from None
-    # 200 succeeded / 402 declined / 202 outcome_unknown (the reconciler settles it)
-    print(outcome.http_status, outcome.state, outcome.provider_reference, outcome.replayed)
+        answer = http_answer(outcome)  # 200 succeeded, 402 declined, 202 being reconciled
+    except PayorchError as refused:
+        answer = http_answer(refused)  # 409 + Retry-After, 422 key reused, 410, 400
+    print(answer.status, answer.headers, answer.body)

@@ -29,6 +29,7 @@ from .errors import (
     WebhookSignatureInvalid,
 )
 from .executor import Executor, RetryPolicy
+from .http import HttpAnswer, http_answer
 from .operations import OperationType, Registry, default_registry
 from .outcome import Outcome
 from .provider import Answer, AnswerKind, Provider, StatusQuery, SubmitRequest, WebhookEvent
@@ -46,6 +47,7 @@ __all__ = [
     "DatabaseUnavailable",
     "EventRecord",
     "Executor",
+    "HttpAnswer",
     "IdempotencyError",
     "IdempotencyKeyExpired",
     "IdempotencyKeyReused",
@@ -89,4 +91,5 @@ __all__ = [
     "WebhookSignatureInvalid",
     "WebhookStatus",
     "default_registry",
+    "http_answer",
 ]

@@ -19,7 +19,13 @@ from typing import Any
 from pydantic import BaseModel
 
 from .core import State, backoff_delay, max_backoff_total
-from .errors import ConfigurationError, ProviderIdempotencyError, StaleVersion, UnknownProvider
+from .errors import (
+    ConfigurationError,
+    IdempotencyKeyExpired,
+    ProviderIdempotencyError,
+    StaleVersion,
+    UnknownProvider,
+)
 from .operations import Registry, default_registry
 from .outcome import Outcome, decide
 from .provider import Answer, AnswerKind, Provider, SubmitRequest
@@ -121,9 +127,13 @@ class Executor:
             provider=provider,
         )
         adapter = self.provider(prepared.new.provider)
-        claim = self.store.claim(
-            prepared.new, owner=self.owner, lease=self.lease, possibly_sent=True, wait=wait
-        )
+        try:
+            claim = self.store.claim(
+                prepared.new, owner=self.owner, lease=self.lease, possibly_sent=True, wait=wait
+            )
+        except IdempotencyKeyExpired as exc:
+            exc.http_status = prepared.type.expired_status
+            raise
         if not claim.created:
             return Outcome.from_record(claim.operation, replayed=claim.replayed)
         record = submit_and_record(

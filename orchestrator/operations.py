@@ -88,6 +88,7 @@ class OperationType:
     provider: str | None = None  # default provider for this type
     sensitive_fields: tuple[str, ...] = ()
     retention: timedelta = DEFAULT_RETENTION
+    expired_status: int = 410  # what a request on a reaped key answers (some APIs say 422)
 
     def __post_init__(self) -> None:
         validate_operation_name(self.name)
@@ -99,6 +100,8 @@ class OperationType:
             raise ConfigurationError(f"{self.name}: at least one effect field is needed")
         if self.retention <= timedelta(0):
             raise ConfigurationError(f"{self.name}: retention must be positive")
+        if not 400 <= self.expired_status <= 499:
+            raise ConfigurationError(f"{self.name}: expired_status must be a 4xx status")
 
 
 @dataclass(frozen=True, kw_only=True)

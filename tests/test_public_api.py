@@ -13,6 +13,7 @@ EXPECTED = [
     "DatabaseUnavailable",
     "EventRecord",
     "Executor",
+    "HttpAnswer",
     "IdempotencyError",
     "IdempotencyKeyExpired",
     "IdempotencyKeyReused",
@@ -56,6 +57,7 @@ EXPECTED = [
     "WebhookSignatureInvalid",
     "WebhookStatus",
     "default_registry",
+    "http_answer",
 ]
 
 

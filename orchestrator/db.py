@@ -58,7 +58,7 @@ def create_engine(url: str | URL, **kwargs: Any) -> Engine:
         _configure_sqlite(engine)
         return engine
     kwargs.setdefault("pool_size", 10)
-    kwargs.setdefault("max_overflow", 40)
+    kwargs.setdefault("max_overflow", 20)  # 30 connections: well under a default server's 100
     kwargs.setdefault("pool_timeout", 60)
     kwargs.setdefault("pool_pre_ping", True)
     return sa.create_engine(parsed, **kwargs)

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .core import State
 from .errors import OperationInProgress, PayorchError
 from .outcome import Outcome
 
@@ -51,6 +52,9 @@ def http_answer(result: Outcome | PayorchError) -> HttpAnswer:
     headers = {OPERATION_HEADER: result.operation_id}
     if result.replayed:
         headers["Idempotent-Replayed"] = "true"
+    if result.state is State.IN_PROGRESS:
+        # Taken over mid-call (our lease lapsed): someone else is finishing it.
+        headers["Retry-After"] = "1"
     body = {
         "operation_id": result.operation_id,
         "state": result.state.value,

@@ -124,6 +124,11 @@ class Reconciler:
         """Record the error as an event and look again later, with backoff."""
         detail = {"error": type(exc).__name__, "message": str(exc)[:500]}
         try:
+            # The check may have written before failing (a re-submission): act on what is
+            # stored now, and only while the lease is still ours.
+            record = self.store.get(record.tenant_id, record.id)
+            if record.lease_owner != self.owner:
+                return "lost_race"
             if record.state is State.OUTCOME_UNKNOWN:
                 self._reschedule(record, now, kind="check_error", detail=detail)
             else:
@@ -255,19 +260,27 @@ class Reconciler:
         still_covered = operations.c.created_at > db_now_plus(
             sa.literal(-(window - self.policy.window_margin).total_seconds())
         )
-        moved = self.store.transition(
-            record,
-            State.IN_PROGRESS,
-            kind="resubmit",
-            actor=self.owner,
-            detail=detail,
-            lease=self.policy.lease,
-            lease_owner=self.owner,
-            possibly_sent=True,
-            attempts_delta=1,
-            checks_delta=1,
-            guard=still_covered,
-        )
+        try:
+            moved = self.store.transition(
+                record,
+                State.IN_PROGRESS,
+                kind="resubmit",
+                actor=self.owner,
+                detail=detail,
+                lease=self.policy.lease,
+                lease_owner=self.owner,
+                possibly_sent=True,
+                attempts_delta=1,
+                checks_delta=1,
+                guard=still_covered,
+            )
+        except StaleVersion:
+            if self.store.get(record.tenant_id, record.id).version != record.version:
+                raise  # someone else wrote it: a lost race
+            # Unchanged, so the window guard refused: the window closed while we looked.
+            detail["decision"] = "escalate: the key window closed before the re-send"
+            self._reschedule(record, now, kind="status_query", detail=detail, attention=True)
+            return "escalated"
         final = submit_and_record(
             self.store,
             provider,

@@ -11,6 +11,7 @@ Times are the database's (``db_now``), so hosts with skewed clocks agree on leas
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Collection, Mapping
 from datetime import datetime, timedelta
 from typing import Any
@@ -32,7 +33,7 @@ from .errors import (
 from .records import ClaimResult, EventRecord, NewOperation, OperationRecord
 from .statements import EVENT_INSERT, build_claim, build_update, lease_row
 from .tables import db_now, events, operations
-from .waiting import NOTIFY_CHANNEL, wait_until_settled
+from .waiting import NOTIFY_CHANNEL, Listener, wait_until_settled
 
 __all__ = ["NOTIFY_CHANNEL", "Store", "new_id"]
 
@@ -55,13 +56,27 @@ class Store:
             postgresql.insert if self.dialect == "postgresql" else sqlite.insert
         )
         self._updates: dict[tuple[Any, ...], Any] = {}
+        self._listener: Listener | None = None
+        self._listener_lock = threading.Lock()
 
     @classmethod
     def from_url(cls, url: str | URL, **engine_kwargs: Any) -> Store:
         return cls(create_engine(url, **engine_kwargs))
 
     def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
         self.engine.dispose()
+
+    def listener(self) -> Listener | None:
+        """The shared LISTEN connection for waiters (PostgreSQL), started on first use."""
+        if not self.is_postgres:
+            return None
+        with self._listener_lock:
+            if self._listener is None:
+                url = self.engine.url.set(drivername="postgresql")
+                self._listener = Listener(url.render_as_string(hide_password=False))
+            return self._listener
 
     @property
     def is_postgres(self) -> bool:
@@ -177,6 +192,8 @@ class Store:
             )
         if record.state is State.IN_PROGRESS and wait is not None and wait > timedelta(0):
             record = self.wait_until_settled(record, wait)
+            if record.state is State.IN_PROGRESS and record.lease_expires_at is not None:
+                lease_remaining = (record.lease_expires_at - self.db_time()).total_seconds()
         if record.terminal:
             return ClaimResult(operation=record, created=False, replayed=True)
         if record.state is State.OUTCOME_UNKNOWN:
@@ -284,7 +301,12 @@ class Store:
                 plain[name] = dict(value) if isinstance(value, Mapping) else value
         if lease is not None:
             plain["lease_owner"] = lease_owner
-        notify = self.is_postgres and to_state is not State.IN_PROGRESS
+        # Waiters only ever wait on in_progress: notify when an operation leaves it.
+        notify = (
+            self.is_postgres
+            and record.state is State.IN_PROGRESS
+            and to_state is not State.IN_PROGRESS
+        )
         shape = (
             tuple(sorted(plain)),
             lease is not None,

@@ -1,60 +1,122 @@
 """Bounded waits for an operation in progress to settle.
 
-PostgreSQL waiters sleep on LISTEN/NOTIFY (the store NOTIFYs on every move out of
-``in_progress``); SQLite waiters poll with backoff.
+Waiters re-read the operation at least once a second, so a wait is correct on its own; on
+PostgreSQL one listener per store (a single connection, LISTEN, outside the pool) wakes them
+as soon as the store's NOTIFY says their operation left ``in_progress``. However many
+requests wait, they cost one connection; if that connection fails, waiters simply poll.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import psycopg
 
 from .core import State
-from .errors import DatabaseUnavailable
 from .records import OperationRecord
 
 if TYPE_CHECKING:
     from .store import Store
 
-__all__ = ["NOTIFY_CHANNEL", "wait_until_settled"]
+__all__ = ["NOTIFY_CHANNEL", "Listener", "wait_until_settled"]
 
 NOTIFY_CHANNEL = "payorch_operations"
+_POLL_CAP = 1.0  # seconds between re-reads, notification or not
+_RECONNECT_DELAY = 1.0
+
+
+class Listener:
+    """One LISTEN connection shared by every waiter of a store."""
+
+    def __init__(self, dsn: str) -> None:
+        self._dsn = dsn
+        self._lock = threading.Lock()
+        self._waiters: dict[str, set[threading.Event]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def register(self, key: str) -> threading.Event:
+        event = threading.Event()
+        with self._lock:
+            self._waiters.setdefault(key, set()).add(event)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="payorch-listener", daemon=True
+                )
+                self._thread.start()
+        return event
+
+    def unregister(self, key: str, event: threading.Event) -> None:
+        with self._lock:
+            events = self._waiters.get(key)
+            if events is not None:
+                events.discard(event)
+                if not events:
+                    del self._waiters[key]
+
+    def close(self) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=_POLL_CAP * 3)
+
+    def _wake(self, key: str) -> None:
+        with self._lock:
+            for event in self._waiters.get(key, ()):
+                event.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(self._dsn, autocommit=True, connect_timeout=10) as pg:
+                    pg.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                    while not self._stop.is_set():
+                        for note in pg.notifies(timeout=_POLL_CAP):
+                            self._wake(note.payload)
+            except psycopg.Error:
+                # Waiters keep polling meanwhile; try again shortly.
+                self._stop.wait(_RECONNECT_DELAY)
 
 
 def wait_until_settled(store: Store, record: OperationRecord, wait: timedelta) -> OperationRecord:
+    """Wait up to ``wait`` for ``record`` to leave ``in_progress``; return it as it is then."""
     deadline = time.monotonic() + wait.total_seconds()
-    if store.is_postgres:
-        return _wait_notify(store, record, deadline)
-    delay = 0.02
+    listener = store.listener()
+    if listener is None:  # SQLite: poll with backoff
+        return _poll(store, record, deadline, nap=time.sleep, first=0.02, cap=0.25)
+    key = f"{record.tenant_id}:{record.id}"
+    woken = listener.register(key)
+
+    def nap(seconds: float) -> None:
+        woken.wait(seconds)
+        woken.clear()
+
+    try:
+        return _poll(store, record, deadline, nap=nap, first=_POLL_CAP, cap=_POLL_CAP)
+    finally:
+        listener.unregister(key, woken)
+
+
+def _poll(
+    store: Store,
+    record: OperationRecord,
+    deadline: float,
+    *,
+    nap: Callable[[float], None],
+    first: float,
+    cap: float,
+) -> OperationRecord:
+    delay = first
     current = store.get(record.tenant_id, record.id)
-    while current.state is State.IN_PROGRESS and time.monotonic() < deadline:
-        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-        delay = min(delay * 2, 0.25)
+    while current.state is State.IN_PROGRESS:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        nap(min(delay, remaining))
+        delay = min(delay * 2, cap)
         current = store.get(record.tenant_id, record.id)
     return current
-
-
-def _wait_notify(store: Store, record: OperationRecord, deadline: float) -> OperationRecord:
-    # A dedicated connection, outside the pool: a crowd of waiters must never starve the
-    # lease holder of the connection it needs to record the outcome.
-    dsn = store.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-    wanted = f"{record.tenant_id}:{record.id}"
-    state_sql = "SELECT state FROM payorch_operations WHERE tenant_id = %s AND id = %s"
-    try:
-        with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as pg:
-            pg.execute(f"LISTEN {NOTIFY_CHANNEL}")
-            # Read after LISTEN: a NOTIFY sent before it would otherwise be missed.
-            while True:
-                row = pg.execute(state_sql, (record.tenant_id, record.id)).fetchone()
-                remaining = deadline - time.monotonic()
-                if row is None or row[0] != State.IN_PROGRESS.value or remaining <= 0:
-                    break
-                for note in pg.notifies(timeout=min(remaining, 1.0)):
-                    if note.payload == wanted:
-                        break
-    except psycopg.Error as exc:
-        raise DatabaseUnavailable(f"cannot wait for operation {record.id}: {exc}") from exc
-    return store.get(record.tenant_id, record.id)

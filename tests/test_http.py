@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import RecordingSleep
+from conftest import RecordingSleep, make_due
 
 from orchestrator import retention
 from orchestrator.errors import IdempotencyKeyExpired, IdempotencyKeyReused, OperationInProgress
@@ -102,3 +103,35 @@ def test_a_reaped_key_answers_its_configured_status(
         pay(ex, "old", operation=operation)
     assert http_answer(info.value).status == expired_status
     assert len(sandbox.ledger()) == 1
+
+
+def test_taken_over_mid_call_answers_409_with_retry_after(
+    store: Store, sandbox: SandboxServer
+) -> None:
+    class TakenOver(SandboxProvider):
+        """Our lease lapses mid-call and the reconciler leases the operation."""
+
+        def submit(self, request: Any) -> Any:
+            answer = super().submit(request)
+            make_due(store, request.operation_id)
+            current = store.get(request.tenant_id, request.operation_id)
+            store.lease_one(
+                current,
+                owner="reconciler",
+                lease=timedelta(seconds=30),
+                kind="test_takeover",
+                actor="reconciler",
+                detail={},
+            )
+            return answer
+
+    with TakenOver(base_url=sandbox.url) as slow:
+        ex = Executor(
+            store=store,
+            providers=[slow],
+            registry=default_registry("sandbox"),
+            sleep=RecordingSleep(),
+        )
+        answer = http_answer(pay(ex, "late"))
+    assert answer.status == 409 and answer.headers["Retry-After"] == "1"
+    assert answer.body["state"] == "in_progress"

@@ -369,3 +369,41 @@ def test_a_reconciler_scoped_to_tenants_leaves_the_others_alone(
     assert scoped.reconcile_once().outcomes == Counter({"succeeded": 1})
     assert store.get("ours", ours.operation_id).state is State.SUCCEEDED
     assert store.get("theirs", theirs.operation_id).state is State.OUTCOME_UNKNOWN
+
+
+def test_the_window_closing_mid_batch_escalates_without_sending(
+    executor: Executor, sandbox: SandboxServer, store: Store, sandbox_provider: SandboxProvider
+) -> None:
+    op_id = unknown_after(executor, sandbox, "error_500_before")
+    make_due(store, op_id)
+    age(store, op_id, timedelta(hours=23, minutes=55))  # past window (24 h) - margin (10 min)
+    created = store.get("shop", op_id).created_at
+    # A slow batch: the reconciler's idea of "now" is stale and still inside the window.
+    store.db_time = lambda: created + timedelta(hours=23)  # type: ignore[method-assign]
+    rec = reconciler(store, sandbox_provider, not_found_grace=timedelta(minutes=1))
+    assert rec.reconcile_once().outcomes == Counter({"escalated": 1})
+    record = store.get("shop", op_id)
+    assert record.state is State.OUTCOME_UNKNOWN and record.needs_attention
+    assert record.lease_owner is None
+    assert sandbox.ledger() == []  # the UPDATE's own window test refused the re-send
+
+
+def test_an_adapter_failure_during_resubmission_is_recorded(
+    executor: Executor, sandbox: SandboxServer, store: Store, sandbox_provider: SandboxProvider
+) -> None:
+    class Broken(SandboxProvider):
+        def submit(self, request: Any) -> Any:
+            raise RuntimeError("adapter bug in submit")
+
+    op_id = unknown_after(executor, sandbox, "error_500_before")
+    make_due(store, op_id)
+    age(store, op_id, timedelta(minutes=5))
+    with Broken(base_url=sandbox.url, timeout=FAST_TIMEOUT) as broken:
+        rec = reconciler(store, broken, not_found_grace=timedelta(minutes=1))
+        assert rec.reconcile_once().outcomes == Counter({"check_error": 1})
+    events = [e.kind for e in store.events("shop", op_id)]
+    assert events[-2:] == ["resubmit", "check_error"]
+    record = store.get("shop", op_id)
+    # Possibly sent, under our expiring lease: the next pass asks the provider again.
+    assert record.state is State.IN_PROGRESS and record.possibly_sent
+    assert sandbox.ledger() == []

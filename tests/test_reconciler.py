@@ -278,9 +278,11 @@ def test_two_reconciler_processes_over_500_due_operations(
                 )
             )
         ctx = multiprocessing.get_context("spawn")
-        with ctx.Pool(2) as pool:
+        with ctx.Manager() as manager, ctx.Pool(2) as pool:
+            start = manager.Barrier(2)
             reports = pool.starmap(
-                workers.reconcile_until_idle, [(postgres_url, sandbox.url, w) for w in range(2)]
+                workers.reconcile_until_idle,
+                [(postgres_url, sandbox.url, w, start) for w in range(2)],
             )
         assert sum(r["succeeded"] for r in reports) == 500
         assert all(r["succeeded"] > 0 for r in reports)  # both did real work

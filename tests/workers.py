@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from datetime import timedelta
+from typing import Any
 
 from orchestrator.errors import OperationInProgress
 from orchestrator.records import NewOperation
@@ -82,12 +83,20 @@ def execute_then_die(url: str, sandbox_url: str, key: str, point: str = "after_c
         die()
 
 
-def reconcile_until_idle(url: str, sandbox_url: str, worker: int) -> dict[str, int]:
-    """One reconciler process: passes until nothing is due; returns its outcome counts."""
+def reconcile_until_idle(
+    url: str, sandbox_url: str, worker: int, start: Any = None
+) -> dict[str, int]:
+    """One reconciler process: passes until nothing is due; returns its outcome counts.
+
+    ``start`` (a barrier proxy) lines the processes up, so a slow spawn cannot leave one
+    of them with no work at all.
+    """
     from orchestrator.reconciler import Reconciler, ReconcilerPolicy
     from providers.sandbox import SandboxProvider
 
     store = Store.from_url(url)
+    if start is not None:
+        start.wait(timeout=60)
     try:
         with SandboxProvider(base_url=sandbox_url) as provider:
             rec = Reconciler(

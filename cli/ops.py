@@ -20,10 +20,10 @@ from .runtime import (
     DatabaseUrl,
     JsonFlag,
     default_actor,
+    duration_option,
     err,
     open_store,
     out,
-    parse_duration,
     reconciler,
     settings,
 )
@@ -73,11 +73,7 @@ def list_cmd(
     provider: Annotated[str | None, typer.Option(help="Only this provider.")] = None,
     older_than: Annotated[
         timedelta | None,
-        typer.Option(
-            parser=parse_duration,
-            metavar="DURATION",
-            help="Only operations created at least this long ago: 30s, 15m, 2h, 1d.",
-        ),
+        duration_option("Only operations created at least this long ago: 30s, 15m, 2h, 1d."),
     ] = None,
     needs_attention: Annotated[
         bool, typer.Option("--needs-attention", help="Only operations flagged for a human.")

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import pydantic
 import typer
@@ -28,6 +28,7 @@ __all__ = [
     "build_providers",
     "database_url",
     "default_actor",
+    "duration_option",
     "err",
     "open_store",
     "out",
@@ -115,6 +116,11 @@ def parse_duration(text: str) -> timedelta:
     if total > _MAX_DURATION_SECONDS:
         raise typer.BadParameter(f"{text!r} is longer than 100 years")
     return timedelta(seconds=total)
+
+
+def duration_option(help_text: str) -> Any:
+    """A ``--…`` option that takes a duration such as 30s, 15m, 2h or 1d."""
+    return typer.Option(parser=parse_duration, metavar="DURATION", help=help_text)
 
 
 def default_actor() -> str:

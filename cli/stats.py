@@ -10,7 +10,7 @@ import typer
 from orchestrator.queries import stats
 
 from . import render
-from .runtime import DatabaseUrl, JsonFlag, open_store, out, parse_duration
+from .runtime import DatabaseUrl, JsonFlag, duration_option, open_store, out
 
 __all__ = ["stats_cmd"]
 
@@ -21,11 +21,7 @@ def stats_cmd(
     *,
     window: Annotated[
         timedelta | None,
-        typer.Option(
-            parser=parse_duration,
-            metavar="DURATION",
-            help="Count replays and fingerprint conflicts over this window [default: 24h].",
-        ),
+        duration_option("Count replays and fingerprint conflicts over this window [default: 24h]."),
     ] = None,
     tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant.")] = None,
     database_url: DatabaseUrl = None,

@@ -239,9 +239,8 @@ def submit_and_record(
             "response": decision.response,
             "error_code": decision.error_code,
             "resolution": actor_kind if decision.state.terminal else None,
+            "provider_reference": decision.provider_reference,
         }
-        if decision.provider_reference is not None:
-            values["provider_reference"] = decision.provider_reference
         if answer.kind is AnswerKind.NOT_SENT and not_sent_is_final:
             values["possibly_sent"] = False  # every attempt was refused before sending
         if attention:

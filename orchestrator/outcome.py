@@ -11,7 +11,7 @@ from .core import State
 from .provider import Answer, AnswerKind
 from .records import OperationRecord
 
-__all__ = ["Decision", "Outcome", "decide"]
+__all__ = ["ABANDONED", "Decision", "Outcome", "decide", "settled"]
 
 # Stored outcomes carry the status an HTTP front end should replay.
 _STATUS_FOR_STATE = {
@@ -133,3 +133,28 @@ def decide(
         provider_reference=ref,
         next_check_in=delay,
     )
+
+
+def settled(answer: Answer) -> Decision | None:
+    """The terminal decision a piece of evidence proves, or None if it proves none.
+
+    Status queries and webhooks settle an operation only on a final answer; anything else
+    (pending, not found, unavailable) leaves it to be checked again.
+    """
+    if answer.kind not in (AnswerKind.SUCCEEDED, AnswerKind.DECLINED):
+        return None
+    return decide(answer, first_check=timedelta(0), pending_check=timedelta(0))
+
+
+# An in_progress operation whose lease expired and that never possibly sent anything.
+ABANDONED = Decision(
+    state=State.FAILED_FINAL,
+    response={
+        "status": "failed",
+        "http_status": 503,
+        "code": "abandoned",
+        "message": "no request reached the provider",
+    },
+    error_code="abandoned",
+    provider_reference=None,
+)

@@ -22,6 +22,7 @@ from .core import State, backoff_delay
 from .errors import ConfigurationError, StaleVersion
 from .executor import RetryPolicy, default_owner, submit_and_record
 from .operations import REDACTED
+from .outcome import ABANDONED, Decision, settled
 from .provider import AnswerKind, Provider, StatusQuery
 from .records import OperationRecord
 from .store import Store
@@ -153,20 +154,8 @@ class Reconciler:
     def check(self, record: OperationRecord, now: datetime) -> str:
         """Settle one leased operation from evidence; returns what happened (for reports)."""
         if record.state is State.IN_PROGRESS and not record.possibly_sent:
-            self._finish(
-                record,
-                State.FAILED_FINAL,
-                kind="abandoned",
-                detail={"reason": "lease expired and no attempt was possibly sent"},
-                response={
-                    "status": "failed",
-                    "http_status": 503,
-                    "code": "abandoned",
-                    "message": "no request reached the provider",
-                },
-                error_code="abandoned",
-                resolution="abandoned",
-            )
+            reason = {"reason": "lease expired and no attempt was possibly sent"}
+            self._finish(record, ABANDONED, kind="abandoned", detail=reason)
             return "abandoned"
         provider = self.providers.get(record.provider)
         if provider is None:
@@ -190,39 +179,10 @@ class Reconciler:
         }
         # "possibly sent" describes submissions; for a read it would only mislead.
         detail.pop("possibly_sent", None)
-        if answer.kind is AnswerKind.SUCCEEDED:
-            self._finish(
-                record,
-                State.SUCCEEDED,
-                kind="status_query",
-                detail=detail,
-                response={
-                    "status": "succeeded",
-                    "http_status": 200,
-                    "provider_reference": answer.provider_reference,
-                    "provider_response": dict(answer.body) if answer.body else None,
-                },
-                provider_reference=answer.provider_reference,
-                resolution="status_query",
-            )
-            return "succeeded"
-        if answer.kind is AnswerKind.DECLINED:
-            self._finish(
-                record,
-                State.FAILED_FINAL,
-                kind="status_query",
-                detail=detail,
-                response={
-                    "status": "failed",
-                    "http_status": 402,
-                    "code": answer.code,
-                    "provider_reference": answer.provider_reference,
-                },
-                provider_reference=answer.provider_reference,
-                error_code=answer.code or "declined",
-                resolution="status_query",
-            )
-            return "failed_final"
+        decision = settled(answer)
+        if decision is not None:
+            self._finish(record, decision, kind="status_query", detail=detail)
+            return decision.state.value
         if answer.kind is AnswerKind.NOT_FOUND:
             return self._not_found(record, now, provider, detail)
         # PENDING, or the provider is unavailable (AMBIGUOUS / NOT_SENT): look again later.
@@ -297,32 +257,20 @@ class Reconciler:
     # -- writes -----------------------------------------------------------------------
 
     def _finish(
-        self,
-        record: OperationRecord,
-        state: State,
-        *,
-        kind: str,
-        detail: Mapping[str, Any],
-        response: Mapping[str, Any],
-        resolution: str,
-        provider_reference: str | None = None,
-        error_code: str | None = None,
+        self, record: OperationRecord, decision: Decision, *, kind: str, detail: Mapping[str, Any]
     ) -> None:
-        extra: dict[str, Any] = {}
-        if provider_reference is not None:
-            extra["provider_reference"] = provider_reference
         self.store.transition(
             record,
-            state,
+            decision.state,
             kind=kind,
             actor=self.owner,
             detail=detail,
-            response=response,
-            error_code=error_code,
-            resolution=resolution,
+            response=decision.response,
+            error_code=decision.error_code,
+            resolution=kind,
             checks_delta=1,
             needs_attention=False,  # settled by evidence: nothing left for a human
-            **extra,
+            provider_reference=decision.provider_reference,
         )
 
     def _reschedule(
@@ -350,9 +298,6 @@ class Reconciler:
             detail["needs_attention"] = (
                 "escalated" if attention else f"{checks} checks, {age_s:.0f}s old"
             )
-        extra: dict[str, Any] = {}
-        if reference is not None:
-            extra["provider_reference"] = reference
         self.store.transition(
             record,
             State.OUTCOME_UNKNOWN,
@@ -362,5 +307,5 @@ class Reconciler:
             next_check_in=timedelta(seconds=delay),
             checks_delta=1,
             needs_attention=flag,
-            **extra,
+            provider_reference=reference,
         )

@@ -268,7 +268,7 @@ class Store:
         lease: timedelta | None = None,
         lease_owner: str | None = None,
         next_check_in: timedelta | None = None,
-        provider_reference: str | None = _UNSET,
+        provider_reference: str | None = None,
         response: Mapping[str, Any] | None = _UNSET,
         error_code: str | None = _UNSET,
         resolution: str | None = _UNSET,
@@ -289,8 +289,9 @@ class Store:
         """
         check_transition(record.state, to_state)
         plain: dict[str, Any] = {}
+        if provider_reference is not None:  # once known, a reference is never forgotten
+            plain["provider_reference"] = provider_reference
         for name, value in (
-            ("provider_reference", provider_reference),
             ("response", response),
             ("error_code", error_code),
             ("resolution", resolution),

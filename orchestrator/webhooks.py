@@ -14,7 +14,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -22,7 +21,8 @@ from sqlalchemy.engine import Connection
 from .core import State, operation_id_from_downstream_key, validate_tenant
 from .db import read_in_transaction, run_in_transaction
 from .errors import OperationNotFound, StaleVersion, UnknownProvider
-from .provider import AnswerKind, Provider, WebhookEvent
+from .outcome import settled
+from .provider import Answer, AnswerKind, Provider, WebhookEvent
 from .records import OperationRecord
 from .store import Store
 from .tables import db_now, webhook_inbox
@@ -55,6 +55,7 @@ class _AlreadyHandled(Exception):
 
 
 _TARGET = {AnswerKind.SUCCEEDED: State.SUCCEEDED, AnswerKind.DECLINED: State.FAILED_FINAL}
+_CODE = {State.SUCCEEDED: None, State.FAILED_FINAL: "declined"}
 
 
 class WebhookHandler:
@@ -149,16 +150,8 @@ class WebhookHandler:
             )
             return inbox.result(WebhookStatus.RECORDED, record)
         ref = event.provider_reference or record.provider_reference
-        response: dict[str, Any] = (
-            {"status": "succeeded", "http_status": 200, "provider_reference": ref}
-            if target is State.SUCCEEDED
-            else {
-                "status": "failed",
-                "http_status": 402,
-                "code": "declined",
-                "provider_reference": ref,
-            }
-        )
+        decision = settled(Answer(kind=event.outcome, provider_reference=ref, code=_CODE[target]))
+        assert decision is not None  # target is terminal, so the evidence is final
         updated = self.store.transition(
             record,
             target,
@@ -166,8 +159,8 @@ class WebhookHandler:
             actor=self.actor,
             detail=detail,
             provider_reference=ref,
-            response=response,
-            error_code=None if target is State.SUCCEEDED else "declined",
+            response=decision.response,
+            error_code=decision.error_code,
             resolution="webhook",
             needs_attention=False,  # settled by evidence
             also=inbox.claim(WebhookStatus.APPLIED),

@@ -6,8 +6,6 @@ ledger never holds two money effects for one operation.
 
 from __future__ import annotations
 
-import multiprocessing
-import signal
 from datetime import timedelta
 from typing import Any
 
@@ -260,11 +258,7 @@ def test_a_lease_shorter_than_the_call_is_refused_at_start_up(
 def test_sigkill_after_commit_leaves_in_progress_and_one_effect(
     db_url: str, sandbox: SandboxServer, store: Store
 ) -> None:
-    ctx = multiprocessing.get_context("spawn")
-    proc = ctx.Process(target=workers.execute_then_die, args=(db_url, sandbox.url, "crash-1"))
-    proc.start()
-    proc.join(timeout=60)
-    assert proc.exitcode == -signal.SIGKILL
+    workers.run_until_killed(db_url, sandbox.url, "crash-1")
     record = store.get_by_namespace("shop", "payment.create", "crash-1")
     assert record.state is State.IN_PROGRESS
     assert record.lease_expires_at is not None and record.possibly_sent

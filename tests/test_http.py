@@ -50,6 +50,8 @@ def test_decline_unknown_and_reuse(executor: Executor, sandbox: SandboxServer) -
     with pytest.raises(IdempotencyKeyReused) as info:
         pay(executor, "u", amount=991)
     assert http_answer(info.value).status == 422
+    # At the provider: the decline and the dropped-but-committed payment, nothing more.
+    assert sorted(e["status"] for e in sandbox.ledger()) == ["declined", "succeeded"]
 
 
 def test_in_progress_says_when_to_come_back(store: Store, executor: Executor) -> None:

@@ -108,3 +108,16 @@ def reconcile_until_idle(
             return dict(rec.run_until_idle(max_passes=200).outcomes)
     finally:
         store.close()
+
+
+def run_until_killed(url: str, sandbox_url: str, key: str, point: str = "after_commit") -> None:
+    """Run :func:`execute_then_die` in a fresh process and check that SIGKILL ended it."""
+    import multiprocessing
+    import signal
+
+    proc = multiprocessing.get_context("spawn").Process(
+        target=execute_then_die, args=(url, sandbox_url, key, point)
+    )
+    proc.start()
+    proc.join(timeout=60)
+    assert proc.exitcode == -signal.SIGKILL, f"the worker ended with {proc.exitcode}"

@@ -194,19 +194,9 @@ class SandboxProvider:
     # -- classification --------------------------------------------------------------------
 
     def _classify_submit(self, response: httpx.Response, request: SubmitRequest) -> Answer:
-        status = response.status_code
-        content = response.content
-        body = _json_object(content)
-        evidence: dict[str, Any] = {
-            "status_code": status,
-            "body": body,
-            "raw": None if body is not None else bounded_raw(content),
-        }
-        shared = answer_from_http_status(
-            status, retry_after=response.headers.get("retry-after"), raw=content
-        )
+        status, body, evidence, shared = _read(response)
         if shared is not None:
-            return replace(shared, body=body, raw=evidence["raw"])
+            return shared
         if 200 <= status < 300:
             return self._from_effect(body, evidence)
         error = _error_of(body)
@@ -240,19 +230,9 @@ class SandboxProvider:
         return Answer(kind=AnswerKind.AMBIGUOUS, code=f"http_{status}", **evidence)
 
     def _classify_query(self, response: httpx.Response, *, by_reference: bool) -> Answer:
-        status = response.status_code
-        content = response.content
-        body = _json_object(content)
-        evidence: dict[str, Any] = {
-            "status_code": status,
-            "body": body,
-            "raw": None if body is not None else bounded_raw(content),
-        }
-        shared = answer_from_http_status(
-            status, retry_after=response.headers.get("retry-after"), raw=content
-        )
+        status, body, evidence, shared = _read(response)
         if shared is not None:
-            return replace(shared, body=body, raw=evidence["raw"])
+            return shared
         if status == 404 and by_reference:
             return Answer(kind=AnswerKind.NOT_FOUND, code="resource_missing", **evidence)
         if status != 200 or body is None:
@@ -331,3 +311,18 @@ _REFUSAL_TYPES = frozenset({"card_error", "invalid_request_error", "authenticati
 def _is_refusal(status: int, error: Mapping[str, Any]) -> bool:
     """A 4xx is final only when the acquirer itself says why; anything else may be a proxy."""
     return status != 408 and _str_or_none(error.get("type")) in _REFUSAL_TYPES
+
+
+def _read(
+    response: httpx.Response,
+) -> tuple[int, dict[str, Any] | None, dict[str, Any], Answer | None]:
+    """Status, parsed body and evidence of a response, and the shared 429/5xx answer if any."""
+    status = response.status_code
+    content = response.content
+    body = _json_object(content)
+    raw = None if body is not None else bounded_raw(content)
+    evidence: dict[str, Any] = {"status_code": status, "body": body, "raw": raw}
+    shared = answer_from_http_status(
+        status, retry_after=response.headers.get("retry-after"), raw=content
+    )
+    return status, body, evidence, (replace(shared, body=body, raw=raw) if shared else None)

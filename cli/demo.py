@@ -262,6 +262,56 @@ def _active(store: Store, tenant: str) -> int:
         )
 
 
+# Events that say by themselves why an operation was flagged.
+_FLAG_KINDS = ("conflicting_evidence", "quarantined")
+
+
+def _why(kind: str, detail: object, error_code: str | None) -> str | None:
+    """The reason one event gives for a flag, or None if it gives none."""
+    info = detail if isinstance(detail, dict) else {}
+    decision = info.get("decision")
+    if kind in _FLAG_KINDS:
+        return kind
+    if info.get("duplicate"):
+        return "duplicate effects at the provider"
+    if isinstance(decision, str) and decision.startswith("escalate:"):
+        return decision
+    if "needs_attention" in info:
+        return "still unknown after max checks / max age"
+    if kind in ("provider_answer", "resubmission") and error_code:
+        return f"provider answer: {error_code}"
+    return None
+
+
+def attention_reasons(conn: sa.Connection, tenant: str) -> Counter[str]:
+    """Flagged operations by reason ("<reason> [<state>]"), from the store: the newest event
+    that explains the flag, else the operation's error code."""
+    flagged = {
+        row.id: row
+        for row in conn.execute(
+            sa.select(operations.c.id, operations.c.state, operations.c.error_code).where(
+                operations.c.tenant_id == tenant, operations.c.needs_attention
+            )
+        )
+    }
+    reasons: dict[str, str] = {}
+    if flagged:
+        newest_first = conn.execute(
+            sa.select(events.c.operation_id, events.c.kind, events.c.detail)
+            .where(events.c.tenant_id == tenant, events.c.operation_id.in_(list(flagged)))
+            .order_by(events.c.id.desc())
+        )
+        for op_id, kind, detail in newest_first:
+            if op_id not in reasons:
+                why = _why(kind, detail, flagged[op_id].error_code)
+                if why is not None:
+                    reasons[op_id] = why
+    for op_id, row in flagged.items():
+        if op_id not in reasons:
+            reasons[op_id] = f"error code {row.error_code}" if row.error_code else "no reason"
+    return Counter(f"{reasons[op_id]} [{row.state}]" for op_id, row in flagged.items())
+
+
 def _report(
     store: Store,
     sandbox: SandboxServer,
@@ -293,6 +343,7 @@ def _report(
                 )
             )
         )
+        flagged = attention_reasons(conn, tenant)
     states = Counter(r.state for r in rows)
     resolutions = Counter(
         r.resolution or "-" for r in rows if r.state in ("succeeded", "failed_final")
@@ -331,6 +382,9 @@ def _report(
         console.print(f"  {name}: {n}")
     console.print(f"failed_final by reason: {dict(sorted(failures.items()))}")
     console.print(f"webhook deliveries: {dict(sorted(webhooks.items())) or 'none'}")
+    console.print(f"needs_attention: {flagged.total()} operations flagged for a human")
+    for reason, n in sorted(flagged.items()):
+        console.print(f"  {reason}: {n}")
     money_ops = sum(1 for r in rows if r.state == State.SUCCEEDED.value)
     console.print(
         f"provider effects: {sum(effects_per_op.values())} for {money_ops} succeeded "

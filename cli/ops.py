@@ -90,7 +90,11 @@ def list_cmd(
     ] = None,
     json_: JsonFlag = False,
 ) -> None:
-    """List operations, newest first (a red row or `!` means it needs attention)."""
+    """List operations, newest first (a red row or `!` means it needs attention).
+
+    A row that cannot be read (corrupt) is left out with a one-line warning on stderr, and
+    listed under "unreadable" with --json; the others are printed as usual.
+    """
     with open_store(database_url) as store:
         page = queries.list_operations(
             store,
@@ -105,6 +109,9 @@ def list_cmd(
             limit=limit,
             cursor=after,
         )
+    warn = err()
+    for exc in page.unreadable:
+        warn.print(render.unreadable_line(exc), markup=False, highlight=False)
     if json_:
         render.print_json(
             {
@@ -112,6 +119,10 @@ def list_cmd(
                 "items": [_with_age(r, page.now) for r in page.items],
                 "has_more": page.has_more,
                 "next_cursor": page.next_cursor,
+                "unreadable": [
+                    {"tenant_id": e.tenant_id, "id": e.operation_id, "problem": e.problem}
+                    for e in page.unreadable
+                ],
             }
         )
     else:

@@ -1,7 +1,9 @@
 """How operations, timelines and reports look: rich tables for people, JSON for scripts.
 
 Every value that comes from the database is wrapped in ``Text`` so that a tenant id or a
-reason containing ``[brackets]`` is printed, never read as rich markup.
+reason containing ``[brackets]`` is printed, never read as rich markup, and passed through
+:func:`printable` so that a string no encoding can carry (a lone surrogate) is escaped, not
+fatal. Rows that cannot be read at all are named in one line each on stderr.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from orchestrator.errors import CorruptRecord
 from orchestrator.queries import Page, Stats
 from orchestrator.records import EventRecord, OperationRecord
 from orchestrator.retention import ReapReport
@@ -30,10 +33,12 @@ __all__ = [
     "fmt_time",
     "operation_row",
     "print_json",
+    "printable",
     "show_operation",
     "show_page",
     "show_reap",
     "show_stats",
+    "unreadable_line",
 ]
 
 # ISO 4217 minor units where they are not 2 (the amount is stored in minor units).
@@ -48,7 +53,32 @@ _EVIDENCE_CHARS = 400  # per value in the timeline; --json has everything
 
 def print_json(value: Any) -> None:
     # Plain stdout, not rich: JSON must not be wrapped, highlighted or re-indented.
-    sys.stdout.write(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+    text = json.dumps(value, indent=2, ensure_ascii=False)
+    try:
+        text.encode(sys.stdout.encoding or "utf-8")
+    except UnicodeEncodeError:
+        # A stored string stdout cannot carry (a lone surrogate; a non-UTF-8 locale): JSON's
+        # own \u escapes keep every value exact and the document printable.
+        text = json.dumps(value, indent=2, ensure_ascii=True)
+    sys.stdout.write(text + "\n")
+
+
+def printable(text: str) -> str:
+    """``text``, with what UTF-8 cannot encode (lone surrogates) escaped as ``\\udc80``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+def unreadable_line(exc: CorruptRecord) -> str:
+    """One stderr line naming a row that could not be read (and was left out)."""
+    line = (
+        f"warning: skipped unreadable operation {exc.operation_id} "
+        f"(tenant {exc.tenant_id}): {exc.problem}"
+    )
+    return printable(" ".join(line.split()))
 
 
 def fmt_amount(amount: int | None, currency: str | None) -> str:
@@ -108,8 +138,8 @@ def fmt_next_check(record: OperationRecord, now: datetime) -> str:
 
 
 def operation_row(record: OperationRecord, now: datetime) -> dict[str, str]:
-    """The cells of one listing row, by column name (also what ``--json`` rows carry)."""
-    return {
+    """The cells of one listing row, by column name."""
+    cells = {
         "!": "!" if record.needs_attention else "",
         "id": record.id,
         "tenant": record.tenant_id,
@@ -122,11 +152,12 @@ def operation_row(record: OperationRecord, now: datetime) -> dict[str, str]:
         "checks": str(record.checks),
         "next check": fmt_next_check(record, now),
     }
+    return {name: printable(value) for name, value in cells.items()}
 
 
 def show_page(console: Console, page: Page) -> None:
     if not page.items:
-        console.print("no operations match")
+        console.print("no readable operations match" if page.unreadable else "no operations match")
         return
     table = Table(box=None, header_style="bold", pad_edge=False)
     for name in operation_row(page.items[0], page.now):
@@ -161,17 +192,16 @@ def event_rows(timeline: Sequence[EventRecord]) -> list[dict[str, str]]:
             f"{event.from_state or '-'} -> {event.to_state}" if event.to_state is not None else ""
         )
         evidence = ", ".join(f"{k}={_short(v)}" for k, v in detail.items() if v is not None)
-        rows.append(
-            {
-                "time": fmt_time(event.created_at),
-                "after": fmt_gap(event.created_at - previous) if previous else "",
-                "kind": event.kind,
-                "actor": event.actor,
-                "state": moved,
-                "took": f"{took} ms" if took is not None else "",
-                "evidence": evidence,
-            }
-        )
+        cells = {
+            "time": fmt_time(event.created_at),
+            "after": fmt_gap(event.created_at - previous) if previous else "",
+            "kind": event.kind,
+            "actor": event.actor,
+            "state": moved,
+            "took": f"{took} ms" if took is not None else "",
+            "evidence": evidence,
+        }
+        rows.append({name: printable(value) for name, value in cells.items()})
         previous = event.created_at
     return rows
 
@@ -213,7 +243,7 @@ def show_operation(
         ("reaped", fmt_time(record.reaped_at) if record.reaped_at else "no"),
         ("version", str(record.version)),
     ):
-        facts.add_row(Text(name), Text(value))
+        facts.add_row(Text(name), Text(printable(value)))
     console.print(facts)
     console.print()
     table = Table(title="timeline", box=None, header_style="bold", title_justify="left")
@@ -234,7 +264,7 @@ def show_stats(console: Console, stats: Stats) -> None:
     states.add_column("state")
     states.add_column("count", justify="right")
     for state, count in stats.by_state.items():
-        states.add_row(state, str(count))
+        states.add_row(Text(printable(state)), str(count))
     console.print(states)
     oldest = stats.oldest_unknown_created_at
     console.print(
@@ -255,9 +285,11 @@ def show_stats(console: Console, stats: Stats) -> None:
     providers = Table(box=None, header_style="bold")
     providers.add_column("provider")
     for state in stats.by_state:
-        providers.add_column(state, justify="right")
+        providers.add_column(printable(state), justify="right")
     for provider, counts in sorted(stats.by_provider.items()):
-        providers.add_row(Text(provider), *(str(counts.get(s, 0)) for s in stats.by_state))
+        providers.add_row(
+            Text(printable(provider)), *(str(counts.get(s, 0)) for s in stats.by_state)
+        )
     console.print(providers)
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping
+from decimal import Decimal
 from typing import Any
 
 import rfc8785
@@ -20,19 +22,23 @@ from .errors import (
     InvalidRequest,
     InvalidTenant,
     InvalidTransition,
+    UnencodableRequest,
     UnknownOperationType,
 )
 
 __all__ = [
     "ACTIVE_STATES",
+    "MAX_JSON_INT",
     "MAX_KEY_LENGTH",
     "TERMINAL_STATES",
     "State",
     "backoff_delay",
+    "check_encodable",
     "check_transition",
     "downstream_key",
     "fingerprint",
     "operation_id_from_downstream_key",
+    "safe_text",
     "validate_idempotency_key",
     "validate_operation_name",
     "validate_tenant",
@@ -110,6 +116,65 @@ def validate_operation_name(name: object, known: Iterable[str] | None = None) ->
     return name
 
 
+# The integers every JSON parser reads exactly (IEEE 754 doubles); RFC 8785 refuses others.
+MAX_JSON_INT = 2**53 - 1
+
+
+def _where(path: str) -> str:
+    return path or "request"
+
+
+def safe_text(value: object) -> str:
+    """``str(value)`` that can always be encoded: lone surrogates become ``\\udXXX``.
+
+    Error messages name the offending field, and the field name itself may be the bad input.
+    """
+    return str(value).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _check_scalar(value: object, path: str) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UnencodableRequest(
+                f"{_where(path)} holds a string that is not valid UTF-8 (a lone surrogate)"
+            ) from None
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if abs(value) > MAX_JSON_INT:
+            raise UnencodableRequest(f"{_where(path)} is an integer beyond ±(2**53 - 1)")
+    elif isinstance(value, float | Decimal):
+        finite = math.isfinite(value) if isinstance(value, float) else value.is_finite()
+        if not finite:
+            raise UnencodableRequest(f"{_where(path)} is {value}, which JSON cannot carry")
+
+
+def check_encodable(value: Any, path: str = "", *, sets: bool = True) -> None:
+    """Refuse what has no single canonical JSON form, anywhere in a request.
+
+    A string that is not valid UTF-8 (a lone surrogate: no encoder can send it), a NaN or
+    infinite number (not JSON at all), an integer outside ±(2**53 - 1) (parsers disagree
+    on it) and, with ``sets=False`` (effect fields), a set: its order changes from process
+    to process, and so would the fingerprint. Types this walk does not know (dates, UUIDs)
+    are left to the JSON dump, which is checked again.
+    """
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            check_encodable(k, f"{_where(path)} key", sets=sets)
+            name = safe_text(k)
+            check_encodable(v, f"{path}.{name}" if path else name, sets=sets)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            check_encodable(v, f"{path}[{i}]", sets=sets)
+    elif isinstance(value, set | frozenset):
+        if not sets:
+            raise UnencodableRequest(f"{_where(path)} is a set, which has no stable order")
+        for v in value:
+            check_encodable(v, f"{path}[]", sets=sets)
+    else:
+        _check_scalar(value, path)
+
+
 def _check_json_value(value: Any, path: str) -> None:
     # Money must never be a float: binary floats cannot hold minor units exactly, and two
     # spellings of one amount would give two fingerprints.
@@ -138,7 +203,10 @@ def fingerprint(effect: Mapping[str, Any]) -> str:
     try:
         canonical = rfc8785.dumps(dict(effect))
     except (rfc8785.CanonicalizationError, TypeError, ValueError) as exc:
-        raise InvalidRequest(f"effect fields cannot be canonicalised: {exc}") from exc
+        # ValueError includes UnicodeEncodeError: rfc8785 sorts keys by their UTF-16 form.
+        raise UnencodableRequest(
+            f"effect fields cannot be canonicalised: {safe_text(exc)}"
+        ) from exc
     return hashlib.sha256(canonical).hexdigest()
 
 

@@ -1,4 +1,9 @@
-"""Engines, transactions retried by SQLSTATE, and the one place database errors are mapped."""
+"""Engines, transactions retried by SQLSTATE, and the one place database errors are mapped.
+
+A write that fails before its COMMIT is issued did nothing (``StorageError``). A COMMIT
+that raises without the server saying it rolled back may have committed
+(``CommitUncertain``): the caller must answer "retry the same key", never "nothing happened".
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy import event, exc
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 
-from .errors import DatabaseUnavailable, InvalidRequest, StorageError
+from .errors import CommitUncertain, DatabaseUnavailable, InvalidRequest, StorageError
 
 __all__ = [
     "create_engine",
@@ -72,15 +77,26 @@ def _configure_sqlite(engine: Engine) -> None:
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA synchronous=NORMAL")
+        # FULL: a commit is synced to disk before it returns. With WAL and NORMAL a committed
+        # claim can vanish on power loss, and the client's retry would then claim a second
+        # operation with a new downstream key.
+        cur.execute("PRAGMA synchronous=FULL")
         cur.execute("PRAGMA busy_timeout=30000")
         cur.close()
+        # Bytes that are not UTF-8 in a TEXT column (written by something other than payorch)
+        # would make sqlite3 fail the whole result, and so every reconciler pass: decode them
+        # with U+FFFD instead, so the row reads, fails validation and is quarantined alone.
+        dbapi_conn.text_factory = _decode_text
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
         # Writers take the lock up front; readers use WAL snapshots and never block a writer.
         write = conn.get_execution_options().get(_WRITE_OPTION, False)
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+def _decode_text(raw: bytes) -> str:
+    return raw.decode("utf-8", "replace")
 
 
 def _is_retryable(err: exc.DBAPIError) -> bool:
@@ -112,24 +128,56 @@ def map_db_error(err: exc.SQLAlchemyError) -> StorageError:
     return StorageError(f"database error: {getattr(err, 'orig', err)}")
 
 
+def _commit_refused(err: exc.SQLAlchemyError) -> bool:
+    """Whether a failed COMMIT certainly did not commit.
+
+    PostgreSQL answers a COMMIT it cannot honour (a deferred constraint, a serialization
+    failure) with an error carrying a SQLSTATE, and the transaction is rolled back. SQLite's
+    SQLITE_BUSY on COMMIT leaves the transaction open, and it is rolled back on close. Any
+    other failure (no answer, a cut connection, an I/O error) may follow a durable commit.
+    """
+    orig = getattr(err, "orig", None)
+    if isinstance(err, exc.DBAPIError) and err.connection_invalidated:
+        return False
+    if getattr(orig, "sqlstate", None):
+        return True
+    return isinstance(orig, sqlite3.OperationalError) and (
+        getattr(orig, "sqlite_errorcode", None) in _SQLITE_BUSY
+    )
+
+
 def run_in_transaction(engine: Engine, fn: Callable[[Connection], T], *, write: bool = True) -> T:
     """Run ``fn`` in one transaction, again from the start on serialization failure/deadlock.
 
     ``write=False`` marks a read: on SQLite it starts a deferred transaction (a WAL
     snapshot) instead of taking the single write lock.
+
+    Raises ``StorageError`` (nothing committed) for a failure before the COMMIT, and
+    ``CommitUncertain`` for a write whose COMMIT raised without a verdict from the server.
     """
     for attempt in range(MAX_TRANSACTION_ATTEMPTS):
+        committing = False
         try:
             with engine.connect() as conn:
                 conn.execution_options(**{_WRITE_OPTION: write})
-                with conn.begin():
-                    return fn(conn)
-        except exc.DBAPIError as err:
-            if _is_retryable(err) and attempt + 1 < MAX_TRANSACTION_ATTEMPTS:
+                with conn.begin() as txn:
+                    result = fn(conn)
+                    committing = True
+                    txn.commit()
+                return result
+        except exc.SQLAlchemyError as err:
+            if committing and write and not _commit_refused(err):
+                cause = getattr(err, "orig", None) or err
+                raise CommitUncertain(
+                    f"the database did not confirm a commit (it may have happened): {cause}"
+                ) from err
+            if (
+                isinstance(err, exc.DBAPIError)
+                and _is_retryable(err)
+                and attempt + 1 < MAX_TRANSACTION_ATTEMPTS
+            ):
                 time.sleep(random.uniform(0, 0.01 * 2**attempt))  # noqa: S311 - jitter only
                 continue
-            raise map_db_error(err) from err
-        except exc.SQLAlchemyError as err:
             raise map_db_error(err) from err
     raise StorageError("transaction retries exhausted")  # pragma: no cover - loop returns/raises
 

@@ -1,8 +1,15 @@
 """The one exception hierarchy of payorch.
 
 Every error carries ``http_status``: the status an embedding web app should answer with
-(the mapping of ``../docs/semantics.md``). Lower-level errors (SQLAlchemy, psycopg, httpx)
-are mapped once, where they enter, with ``raise ... from exc``.
+(the mapping of ``../docs/semantics.md``), and ``problem_type``: a stable URN that tells
+clients apart what a status alone cannot (422 for a reused key vs. a refused payload).
+Lower-level errors (SQLAlchemy, psycopg, httpx) are mapped once, where they enter, with
+``raise ... from exc``.
+
+Every 503 (the ``StorageError`` branch) carries ``retry_after`` and means "retry the same
+idempotency key": a plain ``StorageError`` failed before anything could commit; an
+``OutcomeNotRecorded`` failed once the claim may have committed, so the operation may exist
+and may have reached the provider. No error ever invites a new key.
 
 ::
 
@@ -12,7 +19,9 @@ are mapped once, where they enter, with ``raise ... from exc``.
     │   ├── InvalidTenant                   400
     │   ├── UnknownOperationType            400
     │   ├── RequestValidationFailed         422  the request model refused the payload
-    │   └── InvalidMoney                    400  float / non-integer amounts, bad currency
+    │   ├── InvalidMoney                    400  float / non-integer amounts, bad currency
+    │   ├── UnencodableRequest              400  no canonical JSON form (surrogate, NaN, set…)
+    │   └── UnknownProvider                 400  the caller named a provider not configured
     ├── IdempotencyError
     │   ├── IdempotencyKeyReused            422  same namespace, other fingerprint
     │   ├── OperationInProgress             409  + retry_after
@@ -21,23 +30,28 @@ are mapped once, where they enter, with ``raise ... from exc``.
     ├── StateConflict                       409
     │   ├── StaleVersion                    409  compare-and-set lost (fencing)
     │   └── InvalidTransition               409  the state machine forbids it
-    ├── ConfigurationError                  500  refused at start-up
-    │   └── UnknownProvider                 500
+    ├── ConfigurationError                  500  refused at start-up (or a type's default
+    │                                            provider missing from the executor)
     ├── ProviderError                       502
     │   └── ProviderIdempotencyError        502  provider says our key was reused differently
     ├── WebhookRejected                     400
     │   ├── WebhookSignatureInvalid         400  missing/bad signature or stale timestamp
     │   └── WebhookMalformed                400  not JSON / not the provider's shape
-    └── StorageError                        503
-        └── DatabaseUnavailable             503
+    └── StorageError                        503  + retry_after; nothing committed: same key
+        ├── DatabaseUnavailable             503
+        ├── CorruptRecord                   503  a stored row cannot be read; quarantined
+        └── OutcomeNotRecorded              503  may have happened: same key, later
+            └── CommitUncertain             503  a COMMIT was sent, its answer lost
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
+    "CommitUncertain",
     "ConfigurationError",
+    "CorruptRecord",
     "DatabaseUnavailable",
     "IdempotencyError",
     "IdempotencyKeyExpired",
@@ -49,6 +63,7 @@ __all__ = [
     "InvalidTransition",
     "OperationInProgress",
     "OperationNotFound",
+    "OutcomeNotRecorded",
     "PayorchError",
     "ProviderError",
     "ProviderIdempotencyError",
@@ -56,6 +71,7 @@ __all__ = [
     "StaleVersion",
     "StateConflict",
     "StorageError",
+    "UnencodableRequest",
     "UnknownOperationType",
     "UnknownProvider",
     "WebhookMalformed",
@@ -68,6 +84,9 @@ class PayorchError(Exception):
     """Base of every error payorch raises on purpose."""
 
     http_status: int = 500
+    # Stable and machine-readable (RFC 9457 ``type``); never derived from the class name, so
+    # a rename cannot change what clients match on. Every subclass sets its own.
+    problem_type: ClassVar[str] = "urn:payorch:problem:error"
 
     def __init__(self, message: str, *, operation_id: str | None = None) -> None:
         super().__init__(message)
@@ -88,26 +107,28 @@ def _rebuild(cls: type[PayorchError], message: str, state: dict[str, Any]) -> Pa
 
 class InvalidRequest(PayorchError):
     http_status = 400
+    problem_type = "urn:payorch:problem:invalid-request"
 
 
 class InvalidIdempotencyKey(InvalidRequest):
-    pass
+    problem_type = "urn:payorch:problem:invalid-idempotency-key"
 
 
 class InvalidTenant(InvalidRequest):
-    pass
+    problem_type = "urn:payorch:problem:invalid-tenant"
 
 
 class UnknownOperationType(InvalidRequest):
-    pass
+    problem_type = "urn:payorch:problem:unknown-operation-type"
 
 
 class InvalidMoney(InvalidRequest):
-    pass
+    problem_type = "urn:payorch:problem:invalid-money"
 
 
 class RequestValidationFailed(InvalidRequest):
     http_status = 422
+    problem_type = "urn:payorch:problem:request-validation-failed"
 
     def __init__(self, message: str, *, errors: list[dict[str, Any]] | None = None) -> None:
         super().__init__(message)
@@ -116,18 +137,21 @@ class RequestValidationFailed(InvalidRequest):
 
 class IdempotencyError(PayorchError):
     http_status = 409
+    problem_type = "urn:payorch:problem:idempotency-error"
 
 
 class IdempotencyKeyReused(IdempotencyError):
     """The key was first used with other effect fields; nothing was executed."""
 
     http_status = 422
+    problem_type = "urn:payorch:problem:idempotency-key-reused"
 
 
 class OperationInProgress(IdempotencyError):
     """Another request holds this namespace; ask again after ``retry_after`` seconds."""
 
     http_status = 409
+    problem_type = "urn:payorch:problem:operation-in-progress"
 
     def __init__(self, message: str, *, operation_id: str, retry_after: float) -> None:
         super().__init__(message, operation_id=operation_id)
@@ -138,55 +162,126 @@ class IdempotencyKeyExpired(IdempotencyError):
     """The namespace is past its retention window; only a tombstone remains."""
 
     http_status = 410
+    problem_type = "urn:payorch:problem:idempotency-key-expired"
 
 
 class OperationNotFound(PayorchError):
     http_status = 404
+    problem_type = "urn:payorch:problem:operation-not-found"
 
 
 class StateConflict(PayorchError):
     http_status = 409
+    problem_type = "urn:payorch:problem:state-conflict"
 
 
 class StaleVersion(StateConflict):
     """A compare-and-set on ``version`` found another writer got there first."""
 
+    problem_type = "urn:payorch:problem:stale-version"
+
 
 class InvalidTransition(StateConflict):
-    pass
+    problem_type = "urn:payorch:problem:invalid-transition"
 
 
 class ConfigurationError(PayorchError):
     http_status = 500
+    problem_type = "urn:payorch:problem:configuration-error"
 
 
-class UnknownProvider(ConfigurationError):
-    pass
+class UnknownProvider(InvalidRequest):
+    """The caller named a provider this executor (or handler) does not have: bad input.
+
+    A provider missing from the configuration itself (an operation type's default) is a
+    :class:`ConfigurationError` instead.
+    """
+
+    problem_type = "urn:payorch:problem:unknown-provider"
 
 
 class ProviderError(PayorchError):
     http_status = 502
+    problem_type = "urn:payorch:problem:provider-error"
 
 
 class ProviderIdempotencyError(ProviderError):
-    pass
+    problem_type = "urn:payorch:problem:provider-idempotency-error"
 
 
 class WebhookRejected(PayorchError):
     http_status = 400
+    problem_type = "urn:payorch:problem:webhook-rejected"
 
 
 class WebhookSignatureInvalid(WebhookRejected):
-    pass
+    problem_type = "urn:payorch:problem:webhook-signature-invalid"
 
 
 class WebhookMalformed(WebhookRejected):
-    pass
+    problem_type = "urn:payorch:problem:webhook-malformed"
 
 
 class StorageError(PayorchError):
+    """The database failed before anything could commit: retry the same key after
+    ``retry_after`` seconds (the same key, so a retry can never become a second operation)."""
+
     http_status = 503
+    problem_type = "urn:payorch:problem:storage-unavailable"
+    retry_after: float = 1.0
+
+    def __init__(
+        self, message: str, *, operation_id: str | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message, operation_id=operation_id)
+        if retry_after is not None:
+            self.retry_after = retry_after
 
 
 class DatabaseUnavailable(StorageError):
-    pass
+    problem_type = "urn:payorch:problem:database-unavailable"
+
+
+class OutcomeNotRecorded(StorageError):
+    """The database failed once the claim may have committed: under this key an operation
+    may exist and may have reached the provider, and its outcome is not (knowably) stored.
+
+    Retry **the same key** later: the retry returns the operation as it stands (in progress,
+    unknown, or settled by the reconciler), never a second effect. ``operation_id`` is set
+    when known.
+    """
+
+    problem_type = "urn:payorch:problem:outcome-not-recorded"
+
+
+class CommitUncertain(OutcomeNotRecorded):
+    """A COMMIT was sent and its answer lost (connection cut, server gone): it may have
+    committed. Raised by the database layer for any write; a retry must assume it did."""
+
+    problem_type = "urn:payorch:problem:commit-uncertain"
+
+
+class UnencodableRequest(InvalidRequest):
+    """The request has no single canonical JSON form: a string that is not valid UTF-8
+    (a lone surrogate), a NaN or infinite number, an integer beyond ±(2**53 - 1), or an
+    unordered set in an effect field. Refused before the claim; nothing was written."""
+
+    problem_type = "urn:payorch:problem:unencodable-request"
+
+
+class CorruptRecord(StorageError):
+    """A stored row cannot be read back as what it should hold (bad JSON, state, time…).
+
+    The operation exists, so something may have happened under its key: the client retries
+    the same key later (after an operator repaired the row), never a new one. The reconciler
+    quarantines such a row: flagged ``needs_attention``, a ``quarantined`` event, checked
+    again only after a long pause.
+    """
+
+    problem_type = "urn:payorch:problem:corrupt-record"
+    retry_after: float = 300.0
+
+    def __init__(self, message: str, *, tenant_id: str, operation_id: str, problem: str) -> None:
+        super().__init__(message, operation_id=operation_id)
+        self.tenant_id = tenant_id
+        self.problem = problem

@@ -22,12 +22,15 @@ from .core import State, backoff_delay, max_backoff_total
 from .errors import (
     ConfigurationError,
     IdempotencyKeyExpired,
+    InvalidRequest,
+    OutcomeNotRecorded,
     ProviderIdempotencyError,
     StaleVersion,
+    StorageError,
     UnknownProvider,
 )
 from .operations import Registry, default_registry
-from .outcome import Outcome, decide
+from .outcome import Outcome, decide, late_conflict
 from .provider import Answer, AnswerKind, Provider, SubmitRequest
 from .records import OperationRecord
 from .store import Store
@@ -99,6 +102,7 @@ class Executor:
         return provider.max_call_duration * r.max_attempts + timedelta(seconds=sleeping + 1.0)
 
     def provider(self, name: str) -> Provider:
+        """The adapter for a provider name a caller gave; ``UnknownProvider`` (4xx) if none."""
         try:
             return self.providers[name]
         except KeyError:
@@ -116,8 +120,12 @@ class Executor:
     ) -> Outcome:
         """Run one operation or return what its namespace already holds.
 
-        Raises ``InvalidRequest`` subclasses (nothing written), ``IdempotencyKeyReused``,
-        ``IdempotencyKeyExpired`` and ``OperationInProgress`` (unless ``wait`` covers it).
+        Raises ``InvalidRequest`` subclasses (nothing written; ``UnknownProvider`` for a
+        ``provider`` this executor lacks), ``IdempotencyKeyReused``, ``IdempotencyKeyExpired``
+        and ``OperationInProgress`` (unless ``wait`` covers it). Storage failures: a plain
+        ``StorageError`` before the claim can have committed; ``OutcomeNotRecorded`` once it
+        may have (the operation may exist and may have been sent). Both mean "retry the
+        same key"; neither permits a new one.
         """
         prepared = self.registry.prepare(
             tenant_id=tenant_id,
@@ -126,7 +134,16 @@ class Executor:
             request=request,
             provider=provider,
         )
-        adapter = self.provider(prepared.new.provider)
+        if provider:  # as prepare() reads it: an empty name means the type's default
+            adapter = self.provider(provider)
+        elif prepared.new.provider in self.providers:
+            adapter = self.providers[prepared.new.provider]
+        else:
+            # Not the caller's fault: the operation type's default is not configured here.
+            raise ConfigurationError(
+                f"operation {operation!r} defaults to provider {prepared.new.provider!r}, "
+                "which this executor was not given"
+            )
         try:
             claim = self.store.claim(
                 prepared.new, owner=self.owner, lease=self.lease, possibly_sent=True, wait=wait
@@ -136,18 +153,35 @@ class Executor:
             raise
         if not claim.created:
             return Outcome.from_record(claim.operation, replayed=claim.replayed)
-        record = submit_and_record(
-            self.store,
-            adapter,
-            claim.operation,
-            prepared.payload,
-            owner=self.owner,
-            lease=self.lease,
-            retry=self.retry,
-            sleep=self._sleep,
-            rand=self._rand,
-        )
+        op_id = claim.operation.id
+        try:
+            record = submit_and_record(
+                self.store,
+                adapter,
+                claim.operation,
+                prepared.payload,
+                owner=self.owner,
+                lease=self.lease,
+                retry=self.retry,
+                sleep=self._sleep,
+                rand=self._rand,
+            )
+        except OutcomeNotRecorded as exc:
+            exc.operation_id = exc.operation_id or op_id
+            raise
+        except StorageError as exc:
+            # The claim is durable and the request may have reached the provider: this is
+            # never "nothing happened". The lease expires, the reconciler finds the truth.
+            raise OutcomeNotRecorded(
+                f"operation {op_id} may have reached the provider, but its outcome could not "
+                f"be recorded ({exc.message}); retry with the same key later",
+                operation_id=op_id,
+                retry_after=exc.retry_after,
+            ) from exc
         return Outcome.from_record(record, replayed=False)
+
+
+_LATE_RACES = 5  # attempts to fence a late conflict's flag before only recording it
 
 
 def _submit_once(adapter: Provider, request: SubmitRequest) -> tuple[Answer, bool]:
@@ -161,6 +195,16 @@ def _submit_once(adapter: Provider, request: SubmitRequest) -> tuple[Answer, boo
     except ConfigurationError as exc:
         # The adapter refused before sending (e.g. an operation it does not support).
         return Answer(kind=AnswerKind.NOT_SENT, code="configuration_error", message=str(exc)), True
+    except (UnicodeEncodeError, InvalidRequest) as exc:
+        # The adapter could not turn the request into bytes, or refused it as invalid:
+        # either way none of it reached the wire.
+        code = "request_unencodable" if isinstance(exc, UnicodeEncodeError) else "invalid_request"
+        return Answer(kind=AnswerKind.NOT_SENT, code=code, message=str(exc)), True
+    except Exception as exc:  # noqa: BLE001 - an adapter bug must not escape unclassified
+        # We cannot tell whether the request went out before it failed: possibly sent, so
+        # the operation becomes unknown (the reconciler asks the provider) and is flagged.
+        message = f"{type(exc).__name__}: {exc}"[:500]
+        return Answer(kind=AnswerKind.AMBIGUOUS, code="adapter_error", message=message), True
 
 
 def submit_and_record(
@@ -225,7 +269,7 @@ def submit_and_record(
                     attempts_delta=1,
                 )
             except StaleVersion:
-                return _late(store, record, owner, detail)
+                return _late(store, record, owner, detail, answer)
             sleep(delay)
             attempt += 1
             continue
@@ -256,13 +300,35 @@ def submit_and_record(
                 **values,
             )
         except StaleVersion:
-            return _late(store, record, owner, detail)
+            return _late(store, record, owner, detail, answer)
 
 
 def _late(
-    store: Store, record: OperationRecord, owner: str, detail: Mapping[str, Any]
+    store: Store,
+    record: OperationRecord,
+    owner: str,
+    detail: Mapping[str, Any],
+    answer: Answer,
 ) -> OperationRecord:
-    """Our lease was lost: the answer is evidence, never a write over the new holder."""
-    current = store.get(record.tenant_id, record.id)
-    store.append_event(current, kind="late_answer", actor=owner, detail=detail)
-    return current
+    """Our lease was lost: the answer is evidence, never a write over the new holder.
+
+    If the operation was meanwhile settled otherwise (reconciler, operator, webhook), the
+    answer is kept as conflicting evidence and the operation flagged, in one fenced write.
+    """
+    for _ in range(_LATE_RACES):
+        current = store.get(record.tenant_id, record.id)
+        reason = late_conflict(current.state, current.provider_reference, answer)
+        if reason is None:
+            store.append_event(current, kind="late_answer", actor=owner, detail=detail)
+            return current
+        conflict = {**detail, "late": True, "conflicts_with": current.state.value}
+        conflict["conflict"] = reason
+        try:
+            return store.flag_attention(
+                current, kind="conflicting_evidence", actor=owner, detail=conflict
+            )
+        except StaleVersion:
+            continue  # written meanwhile (e.g. flagged by someone else): judge it again
+    # Still racing: keep the evidence even if the flag could not be fenced in.
+    store.append_event(current, kind="late_answer", actor=owner, detail=conflict)
+    return store.get(record.tenant_id, record.id)

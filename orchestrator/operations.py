@@ -6,16 +6,40 @@ The embedding app registers its own types; four money movements come built in.
 
 from __future__ import annotations
 
+import collections.abc
+import dataclasses
+import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Annotated, Any, Literal
+from typing import (
+    Annotated,
+    Any,
+    Literal,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
+from pydantic_core import PydanticSerializationError
 from pydantic_extra_types.currency_code import ISO4217
 
-from .core import fingerprint, validate_idempotency_key, validate_operation_name, validate_tenant
-from .errors import ConfigurationError, RequestValidationFailed, UnknownOperationType
+from .core import (
+    check_encodable,
+    fingerprint,
+    safe_text,
+    validate_idempotency_key,
+    validate_operation_name,
+    validate_tenant,
+)
+from .errors import (
+    ConfigurationError,
+    RequestValidationFailed,
+    UnencodableRequest,
+    UnknownOperationType,
+)
 from .records import NewOperation
 
 __all__ = [
@@ -98,10 +122,65 @@ class OperationType:
             raise ConfigurationError(f"{self.name}: {missing} are not fields of {self.model}")
         if not self.effect_fields:
             raise ConfigurationError(f"{self.name}: at least one effect field is needed")
+        for name in self.effect_fields:
+            where = unordered_part(self.model.model_fields[name].annotation, name)
+            if where is not None:
+                raise ConfigurationError(
+                    f"{self.name}: effect field {where} is a set, whose JSON order changes "
+                    "from process to process (and so would the fingerprint); use a list "
+                    "(sorted by the caller) or a tuple"
+                )
         if self.retention <= timedelta(0):
             raise ConfigurationError(f"{self.name}: retention must be positive")
         if not 400 <= self.expired_status <= 499:
             raise ConfigurationError(f"{self.name}: expired_status must be a 4xx status")
+
+
+_UNORDERED = (set, frozenset, collections.abc.Set)
+
+
+def _nested_fields(tp: Any) -> dict[str, Any] | None:
+    """The field annotations of a model, dataclass or TypedDict; None for anything else."""
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return {n: f.annotation for n, f in tp.model_fields.items()}
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        hints = get_type_hints(tp, include_extras=True)
+        return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(tp)}
+    # A TypedDict, from typing or typing_extensions (pydantic wants the latter before 3.12).
+    if isinstance(tp, type) and issubclass(tp, dict) and hasattr(tp, "__required_keys__"):
+        return get_type_hints(tp, include_extras=True)
+    return None
+
+
+def unordered_part(tp: Any, path: str, _seen: frozenset[int] = frozenset()) -> str | None:
+    """Where in the annotation ``tp`` a set-like type hides (its path), or None.
+
+    Walks Annotated, Optional/Union, container element types and the fields of nested
+    models, dataclasses and TypedDicts; a recursive model is walked once.
+    """
+    origin = get_origin(tp)
+    base = origin if origin is not None else tp
+    if isinstance(base, type) and issubclass(base, _UNORDERED):
+        return path
+    parts: Iterable[tuple[str, Any]]
+    if origin is Literal:
+        parts = ()  # values, not types
+    elif origin is Annotated:
+        parts = [(path, get_args(tp)[0])]
+    elif getattr(tp, "__supertype__", None) is not None:  # typing.NewType
+        parts = [(path, tp.__supertype__)]
+    elif (fields := _nested_fields(tp)) is not None:
+        parts = () if id(tp) in _seen else [(f"{path}.{n}", a) for n, a in fields.items()]
+        _seen = _seen | {id(tp)}
+    else:
+        # A union's members sit at the same place; a container's element types inside it.
+        inner = path if origin in (Union, types.UnionType) else f"{path}[]"
+        parts = [(inner, arg) for arg in get_args(tp)]
+    for where, annotation in parts:
+        found = unordered_part(annotation, where, _seen)
+        if found is not None:
+            return found
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,15 +237,22 @@ class Registry:
                 )
             )
         except ValidationError as exc:
+            # The field names and messages may echo the bad input (a lone surrogate as a
+            # metadata key): make them encodable, or the error itself cannot be reported.
             errors = [
-                {"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()
+                {
+                    "loc": [p if isinstance(p, int) else safe_text(p) for p in e["loc"]],
+                    "msg": safe_text(e["msg"]),
+                    "type": e["type"],
+                }
+                for e in exc.errors()
             ]
             first = errors[0]
             where = ".".join(str(p) for p in first["loc"]) or "request"
             raise RequestValidationFailed(
                 f"{operation}: {where}: {first['msg']}", errors=errors
             ) from None
-        data = model.model_dump(mode="json")
+        data = _json_form(model, op_type)
         effect = {name: data.get(name) for name in op_type.effect_fields}
         fp = fingerprint(effect)
         stored = {k: (REDACTED if k in op_type.sensitive_fields else v) for k, v in data.items()}
@@ -184,6 +270,28 @@ class Registry:
             retention=op_type.retention,
         )
         return Prepared(new=new, payload=data, effect=effect, type=op_type)
+
+
+def _json_form(model: BaseModel, op_type: OperationType) -> dict[str, Any]:
+    """The request as JSON, refused (``UnencodableRequest``) unless every encoder downstream
+    (JCS, the database, the adapter's HTTP body) can carry it exactly.
+
+    Checked on the Python values first: the JSON dump silently turns an infinite float
+    under ``Any`` into null, and would hand a lone surrogate on to the adapter.
+    """
+    try:
+        raw = model.model_dump()
+        check_encodable(raw)
+        for name in op_type.effect_fields:
+            # A set smuggled in through an ``Any`` field: registration could not see it.
+            check_encodable(raw.get(name), name, sets=False)
+        data = model.model_dump(mode="json")
+    except (PydanticSerializationError, ValueError) as exc:  # e.g. bytes that are not UTF-8
+        raise UnencodableRequest(
+            f"{op_type.name}: the request cannot be written as JSON: {safe_text(exc)}"
+        ) from None
+    check_encodable(data)
+    return data
 
 
 def default_registry(provider: str | None = None) -> Registry:

@@ -11,7 +11,16 @@ from .core import State
 from .provider import Answer, AnswerKind
 from .records import OperationRecord
 
-__all__ = ["ABANDONED", "Decision", "Outcome", "decide", "settled"]
+__all__ = [
+    "ABANDONED",
+    "Decision",
+    "Outcome",
+    "contradicts",
+    "decide",
+    "final_state",
+    "late_conflict",
+    "settled",
+]
 
 # Stored outcomes carry the status an HTTP front end should replay.
 _STATUS_FOR_STATE = {
@@ -111,16 +120,18 @@ def decide(
         )
     if answer.kind is AnswerKind.NOT_SENT and not_sent_is_final:
         # Certain that nothing reached the provider: a final failure the client may retry
-        # with a new key.
+        # with a new key. A refusal of our credentials keeps its own code: it is a
+        # configuration fault for the operator, not an outage.
+        code = "provider_auth_failed" if answer.code == "provider_auth_failed" else None
         return Decision(
             state=State.FAILED_FINAL,
             response={
                 "status": "failed",
                 "http_status": 503,
-                "code": "provider_unavailable",
+                "code": code or "provider_unavailable",
                 "message": answer.message or answer.code,
             },
-            error_code="provider_unavailable",
+            error_code=code or "provider_unavailable",
             provider_reference=ref,
         )
     delay = pending_check if answer.kind is AnswerKind.PENDING else first_check
@@ -144,6 +155,40 @@ def settled(answer: Answer) -> Decision | None:
     if answer.kind not in (AnswerKind.SUCCEEDED, AnswerKind.DECLINED):
         return None
     return decide(answer, first_check=timedelta(0), pending_check=timedelta(0))
+
+
+_FINAL_STATE = {AnswerKind.SUCCEEDED: State.SUCCEEDED, AnswerKind.DECLINED: State.FAILED_FINAL}
+
+
+def final_state(kind: AnswerKind) -> State | None:
+    """The terminal state a final answer proves; None for anything inconclusive."""
+    return _FINAL_STATE.get(kind)
+
+
+def contradicts(state: State, kind: AnswerKind) -> bool:
+    """Whether evidence of ``kind`` contradicts an operation that stands in ``state``.
+
+    Only a final word for the *other* terminal state does. Pending, not found or
+    inconclusive evidence contradicts nothing, and nothing contradicts a state that is not
+    settled yet (the evidence may still settle it). Shared by webhooks and late answers.
+    """
+    target = _FINAL_STATE.get(kind)
+    return state.terminal and target is not None and target is not state
+
+
+def late_conflict(state: State, reference: str | None, answer: Answer) -> str | None:
+    """Why a late ``answer`` conflicts with how its operation was settled, or None.
+
+    Besides :func:`contradicts`, a final answer that names another provider object than
+    the one the operation settled with conflicts too: under one downstream key that can only
+    be a second effect.
+    """
+    if contradicts(state, answer.kind):
+        return f"the provider said {answer.kind.value}; the operation is {state.value}"
+    other = answer.provider_reference
+    if final_state(answer.kind) is state and reference and other and other != reference:
+        return f"the provider answered with {other}; the operation settled with {reference}"
+    return None
 
 
 # An in_progress operation whose lease expired and that never possibly sent anything.

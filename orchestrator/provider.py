@@ -3,7 +3,9 @@
 An adapter submits an operation with our downstream idempotency key, queries its status,
 and parses signed webhooks. Every answer is classified into one :class:`Answer` kind, so the
 executor and the reconciler never look at HTTP details. httpx errors are mapped once, here,
-by :func:`answer_from_transport_error` and :func:`answer_from_http_status`.
+by :func:`answer_from_transport_error` and :func:`answer_from_http_status`. Every HTTP
+call goes through :func:`send_with_deadline`, which bounds the whole call (httpx's own
+time-outs are per socket operation, so a trickled answer could otherwise last for ever).
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
+from .deadline import DeadlineExceeded, send_with_deadline
+
 __all__ = [
     "RAW_EVIDENCE_LIMIT",
     "Answer",
     "AnswerKind",
+    "DeadlineExceeded",
     "Provider",
     "StatusQuery",
     "SubmitRequest",
@@ -29,6 +34,7 @@ __all__ = [
     "bounded_raw",
     "call_budget",
     "parse_retry_after",
+    "send_with_deadline",
 ]
 
 RAW_EVIDENCE_LIMIT = 4096  # bytes of a raw provider body kept as evidence
@@ -55,6 +61,8 @@ class Answer:
     message: str | None = None
     body: Mapping[str, Any] | None = None  # parsed JSON body, if any
     raw: str | None = None  # raw body, truncated to RAW_EVIDENCE_LIMIT
+    # Other provider objects the lookup found for the same operation: a duplicate effect.
+    duplicates: tuple[str, ...] = ()
 
     @property
     def possibly_sent(self) -> bool:
@@ -67,6 +75,8 @@ class Answer:
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
+        if self.duplicates:
+            out["duplicates"] = list(self.duplicates)
         if self.body is not None:
             out["body"] = dict(self.body)
         elif self.raw is not None:
@@ -121,7 +131,7 @@ class Provider(Protocol):
 
     @property
     def max_call_duration(self) -> timedelta:
-        """Worst case for one HTTP call under the adapter's time-outs (lease sizing)."""
+        """Upper bound of one ``submit`` or ``query_status`` call (lease sizing)."""
         ...
 
     def submit(self, request: SubmitRequest) -> Answer: ...
@@ -134,7 +144,11 @@ class Provider(Protocol):
 
 
 def call_budget(timeout: httpx.Timeout) -> timedelta:
-    """Upper bound of one call under ``timeout``: every phase may use its whole budget."""
+    """Every phase of ``timeout`` added up: the adapters' default call deadline.
+
+    Not a bound by itself (read and write time-outs apply per socket operation); the
+    deadline of :func:`send_with_deadline` is.
+    """
     phases = (timeout.connect, timeout.write, timeout.read, timeout.pool)
     if any(p is None for p in phases):
         raise ValueError("every httpx time-out phase must be set explicitly")
@@ -173,7 +187,11 @@ def answer_from_transport_error(exc: httpx.HTTPError) -> Answer:
 
     Connect errors and pool time-outs happen before the request is written. Write/read
     time-outs, resets and protocol errors after connecting may follow a committed effect.
+    A :class:`DeadlineExceeded` says itself whether writing had begun.
     """
+    if isinstance(exc, DeadlineExceeded):
+        kind = AnswerKind.AMBIGUOUS if exc.possibly_sent else AnswerKind.NOT_SENT
+        return Answer(kind=kind, code=DeadlineExceeded.code, message=str(exc))
     kind = AnswerKind.NOT_SENT if isinstance(exc, _NOT_SENT_ERRORS) else AnswerKind.AMBIGUOUS
     return Answer(kind=kind, code=type(exc).__name__, message=str(exc) or type(exc).__name__)
 
@@ -181,7 +199,26 @@ def answer_from_transport_error(exc: httpx.HTTPError) -> Answer:
 def answer_from_http_status(
     status: int, *, retry_after: str | None = None, raw: str | bytes | None = None
 ) -> Answer | None:
-    """Classify the statuses every provider shares; None means "adapter decides"."""
+    """Classify the statuses every provider shares; None means "adapter decides".
+
+    401/403: the provider refused our credentials before doing anything. A configuration
+    fault, not a verdict on the payment: NOT_SENT (never a replayable decline), code
+    ``provider_auth_failed``. Its ``retry_after`` (60 s) says what is true, that backoff will
+    not fix credentials; it also ends the executor's inline retries at once (they stop at a
+    Retry-After above the policy's ``max_delay``).
+    """
+    if status in (401, 403):
+        return Answer(
+            kind=AnswerKind.NOT_SENT,
+            status_code=status,
+            retry_after=60.0,
+            code="provider_auth_failed",
+            message=(
+                f"the provider refused our credentials (HTTP {status}): nothing was sent; "
+                "fix the provider configuration"
+            ),
+            raw=bounded_raw(raw),
+        )
     if status == 429:
         return Answer(
             kind=AnswerKind.NOT_SENT,

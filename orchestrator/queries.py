@@ -7,7 +7,8 @@ arrive, and its cost does not grow with the page number.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -16,7 +17,7 @@ from sqlalchemy.engine import Connection
 
 from .core import State, validate_tenant
 from .db import read_in_transaction
-from .errors import InvalidRequest
+from .errors import CorruptRecord, InvalidRequest
 from .records import OperationRecord
 from .store import Store
 from .tables import db_now, db_now_plus, events, operations
@@ -41,12 +42,17 @@ MAX_PAGE = 1000
 
 @dataclass(frozen=True, kw_only=True)
 class Page:
-    """One page of operations, newest first, with the database time it was read at."""
+    """One page of operations, newest first, with the database time it was read at.
+
+    ``unreadable``: rows of this page that could not be read (corrupt), left out of
+    ``items`` so one bad row never hides the others.
+    """
 
     items: list[OperationRecord]
     has_more: bool
     next_cursor: str | None
     now: datetime
+    unreadable: list[CorruptRecord] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +99,11 @@ class Stats:
 
 
 def encode_cursor(record: OperationRecord) -> str:
-    return f"{record.created_at.isoformat()}~{record.id}"
+    return _cursor(record.created_at, record.id)
+
+
+def _cursor(created_at: datetime, op_id: str) -> str:
+    return f"{created_at.isoformat()}~{op_id}"
 
 
 def decode_cursor(cursor: str) -> tuple[datetime, str]:
@@ -162,16 +172,32 @@ def list_operations(
     def read(conn: Connection) -> Page:
         now = conn.execute(sa.select(db_now())).scalar_one()
         rows = conn.execute(query).mappings().all()
-        items = [OperationRecord.from_row(r) for r in rows[:limit]]
+        items: list[OperationRecord] = []
+        unreadable: list[CorruptRecord] = []
+        for row in rows[:limit]:
+            try:
+                items.append(OperationRecord.from_row(row))
+            except CorruptRecord as exc:
+                unreadable.append(exc)
         has_more = len(rows) > limit
         return Page(
             items=items,
             has_more=has_more,
-            next_cursor=encode_cursor(items[-1]) if has_more and items else None,
+            next_cursor=_next_cursor(rows[:limit]) if has_more else None,
             now=now,
+            unreadable=unreadable,
         )
 
     return read_in_transaction(store.engine, read)
+
+
+def _next_cursor(rows: Sequence[Any]) -> str | None:
+    """The cursor after the last row whose keyset columns can be read, corrupt or not."""
+    for row in reversed(rows):
+        created, op_id = row["created_at"], row["id"]
+        if isinstance(created, datetime) and isinstance(op_id, str):
+            return _cursor(created, op_id)
+    return None
 
 
 def stats(store: Store, *, window: timedelta, tenant_id: str | None = None) -> Stats:
@@ -193,9 +219,12 @@ def stats(store: Store, *, window: timedelta, tenant_id: str | None = None) -> S
             .where(*scoped(t.tenant_id))
             .group_by(t.provider, t.state)
         ).all()
-        for provider, state, count in grouped:
+        for provider_value, state_value, count in grouped:
+            # str(): a corrupt row may hold anything; it is counted under what it holds.
+            state, provider = str(state_value), str(provider_value)
             by_state[state] = by_state.get(state, 0) + int(count)
-            by_provider.setdefault(provider, {})[state] = int(count)
+            counts = by_provider.setdefault(provider, {})
+            counts[state] = counts.get(state, 0) + int(count)
         oldest = conn.execute(
             sa.select(sa.func.min(t.created_at)).where(
                 t.state == State.OUTCOME_UNKNOWN.value, *scoped(t.tenant_id)

@@ -19,7 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from .core import State, backoff_delay
-from .errors import ConfigurationError, StaleVersion
+from .errors import ConfigurationError, CorruptRecord, StaleVersion
 from .executor import RetryPolicy, default_owner, submit_and_record
 from .operations import REDACTED
 from .outcome import ABANDONED, Decision, settled
@@ -104,6 +104,7 @@ class Reconciler:
             lease=self.policy.lease,
             limit=self.policy.batch_size,
             tenant_ids=self.tenant_ids,
+            on_quarantine=lambda _exc: report.add("quarantined"),
         )
         report.picked = len(batch)
         for i, (record, now) in enumerate(batch):
@@ -130,13 +131,21 @@ class Reconciler:
             record = self.store.get(record.tenant_id, record.id)
             if record.lease_owner != self.owner:
                 return "lost_race"
-            if record.state is State.OUTCOME_UNKNOWN:
-                self._reschedule(record, now, kind="check_error", detail=detail)
+            # A failed check counts like any other toward max_checks / max_unknown_age, so an
+            # operation whose checks keep raising ends flagged instead of retried unseen.
+            if record.state is State.IN_PROGRESS and not record.possibly_sent:
+                # Nothing was sent: no provider's word is needed, so it stays in_progress
+                # (abandoned on a later pass) rather than becoming unknown.
+                self._reschedule(record, now, kind="check_error", detail=detail, keep=True)
             else:
-                # An in_progress operation keeps its state; the expiring lease brings it back.
-                self.store.append_event(record, kind="check_error", actor=self.owner, detail=detail)
+                # Unknown, or in_progress with an attempt possibly sent (its lease expired,
+                # or our re-submission broke): unknown until evidence says otherwise.
+                self._reschedule(record, now, kind="check_error", detail=detail)
         except StaleVersion:
             return "lost_race"
+        except CorruptRecord:
+            # Corrupted between the lease and the check: the next pass quarantines it.
+            return "check_error"
         return "check_error"
 
     def run_until_idle(self, max_passes: int = 100) -> ReconcileReport:
@@ -179,16 +188,27 @@ class Reconciler:
         }
         # "possibly sent" describes submissions; for a read it would only mislead.
         detail.pop("possibly_sent", None)
+        duplicate = bool(answer.duplicates)
+        if duplicate:
+            # Two provider objects for one operation: settle by the evidence, but a human
+            # must look at the second effect.
+            found = (answer.provider_reference, *answer.duplicates)
+            detail["duplicate"] = [ref for ref in found if ref is not None]
         decision = settled(answer)
         if decision is not None:
-            self._finish(record, decision, kind="status_query", detail=detail)
+            self._finish(record, decision, kind="status_query", detail=detail, attention=duplicate)
             return decision.state.value
         if answer.kind is AnswerKind.NOT_FOUND:
             return self._not_found(record, now, provider, detail)
         # PENDING, or the provider is unavailable (AMBIGUOUS / NOT_SENT): look again later.
         what = "pending" if answer.kind is AnswerKind.PENDING else "provider_unavailable"
         self._reschedule(
-            record, now, kind="status_query", detail=detail, reference=answer.provider_reference
+            record,
+            now,
+            kind="status_query",
+            detail=detail,
+            reference=answer.provider_reference,
+            attention=duplicate,
         )
         return what
 
@@ -257,7 +277,13 @@ class Reconciler:
     # -- writes -----------------------------------------------------------------------
 
     def _finish(
-        self, record: OperationRecord, decision: Decision, *, kind: str, detail: Mapping[str, Any]
+        self,
+        record: OperationRecord,
+        decision: Decision,
+        *,
+        kind: str,
+        detail: Mapping[str, Any],
+        attention: bool = False,
     ) -> None:
         self.store.transition(
             record,
@@ -269,7 +295,8 @@ class Reconciler:
             error_code=decision.error_code,
             resolution=kind,
             checks_delta=1,
-            needs_attention=False,  # settled by evidence: nothing left for a human
+            # Settled by evidence: nothing left for a human, unless the evidence says so.
+            needs_attention=attention,
             provider_reference=decision.provider_reference,
         )
 
@@ -282,7 +309,9 @@ class Reconciler:
         detail: dict[str, Any],
         reference: str | None = None,
         attention: bool = False,
+        keep: bool = False,
     ) -> None:
+        """Count a check without an outcome and schedule the next (``keep``: stay in_progress)."""
         checks = record.checks + 1
         delay = backoff_delay(
             checks,
@@ -300,7 +329,7 @@ class Reconciler:
             )
         self.store.transition(
             record,
-            State.OUTCOME_UNKNOWN,
+            State.IN_PROGRESS if keep else State.OUTCOME_UNKNOWN,
             kind=kind,
             actor=self.owner,
             detail=detail,

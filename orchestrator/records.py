@@ -8,8 +8,119 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from .core import State
+from .errors import CorruptRecord
+from .tables import Undecodable
 
 __all__ = ["ClaimResult", "EventRecord", "NewOperation", "OperationRecord"]
+
+# What each column must read back as: (types, nullable). SQLite stores whatever it is given,
+# and an operator may have edited a row by hand, so a record checks its row before use.
+# A column's kind: the exact classes a healthy value has (fast path), the classes it may
+# have (subclasses, slow path), and what to call it in a message.
+_KINDS: dict[str, tuple[frozenset[type], tuple[type, ...], str]] = {
+    "text": (frozenset({str}), (str,), "text"),
+    "int": (frozenset({int}), (int,), "an integer"),
+    "flag": (frozenset({bool}), (bool,), "a boolean"),
+    "time": (frozenset({datetime}), (datetime,), "a timestamp"),
+    "object": (frozenset({dict}), (Mapping,), "a JSON object"),
+}
+_OPERATION_COLUMNS = {
+    "tenant_id": "text",
+    "id": "text",
+    "operation": "text",
+    "idempotency_key": "text",
+    "fingerprint": "text",
+    "state": "text",
+    "provider": "text",
+    "downstream_key": "text",
+    "provider_reference": "text?",
+    "amount": "int?",
+    "currency": "text?",
+    "request": "object?",
+    "response": "object?",
+    "error_code": "text?",
+    "resolution": "text?",
+    "retention_seconds": "int",
+    "possibly_sent": "flag",
+    "attempts": "int",
+    "checks": "int",
+    "next_check_at": "time?",
+    "needs_attention": "flag",
+    "lease_owner": "text?",
+    "lease_expires_at": "time?",
+    "version": "int",
+    "created_at": "time",
+    "updated_at": "time",
+    "completed_at": "time?",
+    "retain_until": "time?",
+    "reaped_at": "time?",
+}
+_EVENT_COLUMNS = {
+    "tenant_id": "text",
+    "id": "text",
+    "operation_id": "text",
+    "kind": "text",
+    "actor": "text",
+    "from_state": "text?",
+    "to_state": "text?",
+    "version": "int?",
+    "detail": "object?",
+    "created_at": "time",
+}
+# (column, kind, nullable, exact classes accepted at once): built once, read per row.
+Shape = tuple[tuple[str, str, bool, frozenset[type]], ...]
+
+
+def _shape(columns: Mapping[str, str]) -> Shape:
+    out = []
+    for name, spec in columns.items():
+        kind, nullable = spec.rstrip("?"), spec.endswith("?")
+        exact = _KINDS[kind][0] | ({type(None)} if nullable else set())
+        out.append((name, kind, nullable, exact))
+    return tuple(out)
+
+
+_OPERATION_SHAPE = _shape(_OPERATION_COLUMNS)
+_EVENT_SHAPE = _shape(_EVENT_COLUMNS)
+
+
+def _problem(values: Mapping[str, Any], shape: Shape) -> str | None:
+    """What is wrong with a row's values, in one line, or None if each is what it should be.
+
+    Runs on every row read (the claim's included): a healthy value costs one set lookup.
+    """
+    for name, kind, nullable, exact in shape:
+        value = values[name]
+        if value.__class__ not in exact:
+            problem = _explain(name, value, kind, nullable)
+            if problem is not None:
+                return problem
+    return None
+
+
+def _explain(name: str, value: Any, kind: str, nullable: bool) -> str | None:
+    _, allowed, called = _KINDS[kind]
+    if value is None:
+        return None if nullable else f"{name}: missing"
+    if isinstance(value, Undecodable):
+        # The stored text itself may hold sensitive data: name the error, not the value.
+        what = "not valid JSON" if kind == "object" else f"not {called}"
+        return f"{name}: {what} ({type(value.error).__name__}: {value.error})"[:300]
+    if isinstance(value, allowed) and not (kind == "int" and isinstance(value, bool)):
+        return None  # a subclass some driver hands out: fine
+    return f"{name}: {type(value).__name__} where {called} belongs"
+
+
+def _corrupt(values: Mapping[str, Any], operation_id: Any, problem: str) -> CorruptRecord:
+    tenant = str(values.get("tenant_id"))
+    op_id = str(operation_id)
+    return CorruptRecord(
+        f"operation {op_id} of tenant {tenant} has a corrupt stored row ({problem}): it "
+        "needs an operator's repair; clients retry the same idempotency key later",
+        tenant_id=tenant,
+        operation_id=op_id,
+        problem=problem,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,8 +172,16 @@ class OperationRecord:
 
     @classmethod
     def from_row(cls, row: Mapping[Any, Any]) -> OperationRecord:
-        values = {name: row[name] for name in cls.__dataclass_fields__}
-        values["state"] = State(values["state"])
+        """The record a row holds; ``CorruptRecord`` if the row cannot be what it claims."""
+        values = {name: row[name] for name in _OPERATION_COLUMNS}
+        problem = _problem(values, _OPERATION_SHAPE)
+        if problem is None:
+            try:
+                values["state"] = State(values["state"])
+            except ValueError:
+                problem = f"state: {values['state']!r:.40} is not a state"
+        if problem is not None:
+            raise _corrupt(values, values["id"], problem)
         return cls(**values)
 
     @property
@@ -96,7 +215,11 @@ class EventRecord:
 
     @classmethod
     def from_row(cls, row: Mapping[Any, Any]) -> EventRecord:
-        return cls(**{name: row[name] for name in cls.__dataclass_fields__})
+        values = {name: row[name] for name in _EVENT_COLUMNS}
+        problem = _problem(values, _EVENT_SHAPE)
+        if problem is not None:
+            raise _corrupt(values, values["operation_id"], f"event {values['id']}: {problem}")
+        return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
         out = {name: getattr(self, name) for name in self.__dataclass_fields__}

@@ -24,6 +24,8 @@ from sqlalchemy.engine import URL, Connection, Engine
 from .core import State, check_transition, downstream_key
 from .db import create_engine, read_in_transaction, run_in_transaction
 from .errors import (
+    CommitUncertain,
+    CorruptRecord,
     IdempotencyKeyExpired,
     IdempotencyKeyReused,
     OperationInProgress,
@@ -32,12 +34,17 @@ from .errors import (
 )
 from .records import ClaimResult, EventRecord, NewOperation, OperationRecord
 from .statements import EVENT_INSERT, build_claim, build_update, lease_row
-from .tables import db_now, events, operations
+from .tables import db_now, db_now_plus, events, operations
 from .waiting import NOTIFY_CHANNEL, Listener, wait_until_settled
 
-__all__ = ["NOTIFY_CHANNEL", "Store", "new_id"]
+__all__ = ["NOTIFY_CHANNEL", "QUARANTINE_EVENT", "QUARANTINE_HOLD", "Store", "new_id"]
 
 _UNSET: Any = object()
+
+# A row that cannot be read is set aside, not retried every pass: an operator must repair
+# it. After the hold it is picked (and, if still corrupt, quarantined) again.
+QUARANTINE_EVENT = "quarantined"
+QUARANTINE_HOLD = timedelta(hours=1)
 
 
 def new_id() -> str:
@@ -123,7 +130,10 @@ class Store:
             "c_lease_s": lease_s,
         }
 
+        attempted: list[tuple[OperationRecord, bool, float]] = []  # what the COMMIT carried
+
         def txn(conn: Connection) -> tuple[OperationRecord, bool, float]:
+            attempted.clear()  # a retried transaction starts over
             row = conn.execute(self._claim_stmt, params).mappings().first()
             if row is not None:
                 record = OperationRecord.from_row(row)
@@ -136,6 +146,7 @@ class Store:
                     to_state=State.IN_PROGRESS,
                     detail={"idempotency_key": new.idempotency_key, "fingerprint": new.fingerprint},
                 )
+                attempted.append((record, True, 0.0))
                 return record, True, 0.0
             found = (
                 conn.execute(
@@ -165,9 +176,23 @@ class Store:
                     to_state=None,
                     detail={"offered_fingerprint": new.fingerprint},
                 )
+            attempted.append((existing, False, remaining))
             return existing, False, remaining
 
-        record, created, lease_remaining = run_in_transaction(self.engine, txn)
+        try:
+            record, created, lease_remaining = run_in_transaction(self.engine, txn)
+        except CommitUncertain as exc:
+            if not attempted or attempted[0][1]:
+                # Our claim may be durable: the operation may exist, and the reconciler
+                # may send it. Only a retry with the same key can tell, never a new key.
+                raise CommitUncertain(
+                    f"the claim of idempotency key {new.idempotency_key!r} may have committed "
+                    f"as operation {op_id}; retry with the same key later",
+                    operation_id=op_id,
+                    retry_after=1.0,
+                ) from exc
+            # Someone else's operation holds the namespace; only our audit event is in doubt.
+            record, created, lease_remaining = attempted[0]
         if created:
             return ClaimResult(operation=record, created=True)
         return self._existing(record, new, lease_remaining, wait)
@@ -435,6 +460,8 @@ class Store:
         lease: timedelta,
         limit: int,
         tenant_ids: Collection[str] | None = None,
+        quarantine: timedelta = QUARANTINE_HOLD,
+        on_quarantine: Callable[[CorruptRecord], None] | None = None,
     ) -> list[tuple[OperationRecord, datetime]]:
         """Lease up to ``limit`` due operations for ``owner``; return them with the DB time.
 
@@ -442,9 +469,15 @@ class Store:
         expired. PostgreSQL picks with ``FOR UPDATE SKIP LOCKED`` so daemons on many hosts
         take disjoint batches; the lease then keeps others off until it expires.
         ``tenant_ids`` limits the scan to those tenants (a daemon per shard or per tenant).
+
+        A picked row that cannot be read (:class:`CorruptRecord`) is quarantined in the same
+        transaction: flagged ``needs_attention``, a ``quarantined`` event, not due again for
+        ``quarantine``; it is left out of the batch (``on_quarantine`` hears of it) and the
+        rest of the batch is leased as usual.
         """
         t = operations.c
         lease_s = lease.total_seconds()
+        corrupt: list[CorruptRecord] = []
 
         def txn(conn: Connection) -> list[tuple[OperationRecord, datetime]]:
             pick = (
@@ -462,13 +495,27 @@ class Store:
                 pick = pick.with_for_update(skip_locked=True)
             picked = conn.execute(pick).all()
             out: list[tuple[OperationRecord, datetime]] = []
+            corrupt.clear()  # a retried transaction starts over
             for tenant_id, op_id, version in picked:
-                leased = lease_row(conn, tenant_id, op_id, version, owner=owner, lease_s=lease_s)
+                try:
+                    leased = lease_row(
+                        conn, tenant_id, op_id, version, owner=owner, lease_s=lease_s
+                    )
+                except CorruptRecord as exc:
+                    # The lease UPDATE applied (version + 1) before the row failed to decode.
+                    where = (tenant_id, op_id, version + 1)
+                    self._quarantine(conn, exc, where, owner=owner, hold=quarantine)
+                    corrupt.append(exc)
+                    continue
                 if leased is not None:
                     out.append(leased)
             return out
 
-        return run_in_transaction(self.engine, txn)
+        batch = run_in_transaction(self.engine, txn)
+        if on_quarantine is not None:
+            for exc in corrupt:
+                on_quarantine(exc)
+        return batch
 
     def lease_one(
         self,
@@ -482,18 +529,24 @@ class Store:
     ) -> tuple[OperationRecord, datetime]:
         """Lease one active operation whose lease is free or expired, with an event.
 
-        Raises StaleVersion if it changed since ``record`` was read or someone holds it.
+        Raises StaleVersion if it changed since ``record`` was read or someone holds it, and
+        CorruptRecord (after quarantining it, as ``claim_due`` does) if it cannot be read.
         """
 
-        def txn(conn: Connection) -> tuple[OperationRecord, datetime]:
-            leased = lease_row(
-                conn,
-                record.tenant_id,
-                record.id,
-                record.version,
-                owner=owner,
-                lease_s=lease.total_seconds(),
-            )
+        def txn(conn: Connection) -> tuple[OperationRecord, datetime] | CorruptRecord:
+            try:
+                leased = lease_row(
+                    conn,
+                    record.tenant_id,
+                    record.id,
+                    record.version,
+                    owner=owner,
+                    lease_s=lease.total_seconds(),
+                )
+            except CorruptRecord as exc:
+                where = (record.tenant_id, record.id, record.version + 1)
+                self._quarantine(conn, exc, where, owner=owner, hold=QUARANTINE_HOLD)
+                return exc  # raised once the quarantine has committed
             if leased is None:
                 raise StaleVersion(
                     f"operation {record.id} changed or was leased meanwhile; try again",
@@ -510,7 +563,10 @@ class Store:
             )
             return leased
 
-        return run_in_transaction(self.engine, txn)
+        result = run_in_transaction(self.engine, txn)
+        if isinstance(result, CorruptRecord):
+            raise result
+        return result
 
     def release(self, record: OperationRecord) -> None:
         """Give a lease back untouched (graceful shutdown): due again at once."""
@@ -545,6 +601,57 @@ class Store:
         return wait_until_settled(self, record, wait)
 
     # -- helpers ----------------------------------------------------------------------
+
+    def _quarantine(
+        self,
+        conn: Connection,
+        exc: CorruptRecord,
+        where: tuple[str, str, int],
+        *,
+        owner: str,
+        hold: timedelta,
+    ) -> None:
+        """Set an unreadable row aside: flagged, lease released, next check after ``hold``.
+
+        Only the columns this writes are touched; the corrupt ones stay as evidence for
+        whoever repairs the row. ``where`` (tenant, id, version) fences it to the lease just
+        taken, by the values the pick read rather than what the broken row decoded to.
+        """
+        t = operations.c
+        tenant_id, op_id, version = where
+        moved = conn.execute(
+            sa.update(operations)
+            .where(
+                t.tenant_id == tenant_id,
+                t.id == op_id,
+                t.version == version,
+                t.lease_owner == owner,
+            )
+            .values(
+                needs_attention=True,
+                lease_owner=None,
+                lease_expires_at=None,
+                next_check_at=db_now_plus(sa.literal(hold.total_seconds())),
+                version=t.version + 1,
+                updated_at=db_now(),
+            )
+        )
+        if moved.rowcount != 1:  # pragma: no cover - the lease was taken in this transaction
+            return
+        conn.execute(
+            EVENT_INSERT,
+            {
+                "e_tenant_id": tenant_id,
+                "e_id": new_id(),
+                "e_operation_id": op_id,
+                "e_kind": QUARANTINE_EVENT,
+                "e_actor": owner,
+                "e_from_state": None,
+                "e_to_state": None,
+                "e_version": None,
+                "e_detail": {"error": type(exc).__name__, "problem": exc.problem},
+            },
+        )
 
     def _insert(self, table: sa.Table) -> Any:
         return postgresql.insert(table) if self.is_postgres else sqlite.insert(table)

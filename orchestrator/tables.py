@@ -7,6 +7,7 @@ with ``tenant_id`` so the tables can be distributed by tenant.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -17,7 +18,9 @@ from sqlalchemy.sql.compiler import SQLCompiler
 
 __all__ = [
     "ACTIVE_STATE_VALUES",
+    "StoredJSON",
     "UTCDateTime",
+    "Undecodable",
     "db_now",
     "db_now_plus",
     "events",
@@ -28,6 +31,50 @@ __all__ = [
 
 ACTIVE_STATE_VALUES = ("in_progress", "outcome_unknown")
 TERMINAL_STATE_VALUES = ("succeeded", "failed_final")
+
+
+class Undecodable:
+    """A stored value its column's type could not decode (SQLite only: it stores any text).
+
+    Result processing hands this back instead of raising, so one corrupt row surfaces as a
+    typed ``CorruptRecord`` when it is turned into a record, and never aborts the statement
+    (or the reconciler's batch) that read it along with healthy rows.
+    """
+
+    __slots__ = ("error", "raw")
+
+    def __init__(self, raw: object, error: Exception) -> None:
+        self.raw = raw
+        self.error = error
+
+    def __repr__(self) -> str:
+        return f"Undecodable({self.raw!r:.60}, {self.error})"
+
+
+def _tolerant(inner: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
+    if inner is None:  # nothing to decode on this dialect (psycopg decodes JSON itself)
+        return None
+
+    def process(value: Any) -> Any:
+        try:
+            return inner(value)
+        except (ValueError, TypeError) as exc:
+            return Undecodable(value, exc)
+
+    return process
+
+
+class StoredJSON(sa.TypeDecorator[Any]):
+    """``JSON`` whose undecodable stored text reads back as :class:`Undecodable`."""
+
+    impl = sa.JSON
+    cache_ok = True
+    should_evaluate_none = True  # like JSON(): Python None is stored as JSON null, as before
+
+    # Wrapping (not replacing) the impl's processor keeps its decoding, and PostgreSQL's
+    # None (no Python-side work at all) stays None.
+    def result_processor(self, dialect: Dialect, coltype: Any) -> Any:
+        return _tolerant(super().result_processor(dialect, coltype))
 
 
 class UTCDateTime(sa.TypeDecorator[datetime]):
@@ -48,6 +95,10 @@ class UTCDateTime(sa.TypeDecorator[datetime]):
         if value is None:
             return None
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+    def result_processor(self, dialect: Dialect, coltype: Any) -> Any:
+        # SQLite parses timestamps from text: a malformed one reads back as Undecodable.
+        return _tolerant(super().result_processor(dialect, coltype))
 
 
 class db_now(sa.sql.expression.FunctionElement[datetime]):
@@ -104,8 +155,8 @@ operations = sa.Table(
     sa.Column("provider_reference", sa.String(255)),
     sa.Column("amount", sa.BigInteger),
     sa.Column("currency", sa.String(3)),
-    sa.Column("request", sa.JSON),
-    sa.Column("response", sa.JSON),
+    sa.Column("request", StoredJSON()),
+    sa.Column("response", StoredJSON()),
     sa.Column("error_code", sa.String(100)),
     sa.Column("resolution", sa.String(40)),
     sa.Column("retention_seconds", sa.Integer, nullable=False),
@@ -157,7 +208,7 @@ events = sa.Table(
     sa.Column("from_state", sa.String(20)),
     sa.Column("to_state", sa.String(20)),
     sa.Column("version", sa.Integer),
-    sa.Column("detail", sa.JSON),
+    sa.Column("detail", StoredJSON()),
     sa.Column("created_at", UTCDateTime(), nullable=False),
     sa.PrimaryKeyConstraint("tenant_id", "id", name="pk_payorch_events"),
     sa.Index("ix_payorch_events_operation", "tenant_id", "operation_id", "id"),

@@ -21,7 +21,7 @@ from sqlalchemy.engine import Connection
 from .core import State, operation_id_from_downstream_key, validate_tenant
 from .db import read_in_transaction, run_in_transaction
 from .errors import OperationNotFound, StaleVersion, UnknownProvider
-from .outcome import settled
+from .outcome import contradicts, settled
 from .provider import Answer, AnswerKind, Provider, WebhookEvent
 from .records import OperationRecord
 from .store import Store
@@ -128,7 +128,7 @@ class WebhookHandler:
             "provider_reference": event.provider_reference,
         }
         target = _TARGET.get(event.outcome)
-        if record.terminal and target is not None and target is not record.state:
+        if contradicts(record.state, event.outcome):
             # A second, different final word: keep both, change nothing, call a human.
             detail["conflicts_with"] = record.state.value
             self.store.flag_attention(

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import math
 import random
+from decimal import Decimal
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from orchestrator.core import (
+    MAX_JSON_INT,
     State,
     backoff_delay,
+    check_encodable,
     check_transition,
     downstream_key,
     fingerprint,
@@ -26,6 +30,7 @@ from orchestrator.errors import (
     InvalidRequest,
     InvalidTenant,
     InvalidTransition,
+    UnencodableRequest,
     UnknownOperationType,
 )
 
@@ -142,6 +147,57 @@ def test_floats_in_effect_fields_are_refused(bad: dict[str, object]) -> None:
 def test_non_json_values_are_refused() -> None:
     with pytest.raises(InvalidRequest):
         fingerprint({"when": object()})
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"s": "\ud800"},
+        {"\udc00": "key"},
+        {"deep": [{"x": ("ok", "\udfff")}]},
+        {"f": math.nan},
+        {"f": [math.inf]},
+        {"d": Decimal("-Infinity")},
+        {"d": Decimal("NaN")},
+        {"i": MAX_JSON_INT + 1},
+        {"i": -(10**400)},
+        {"set": {"\ud800"}},
+    ],
+)
+def test_check_encodable_refuses_what_json_cannot_carry_exactly(bad: dict[str, object]) -> None:
+    with pytest.raises(UnencodableRequest) as info:
+        check_encodable(bad)
+    str(info.value).encode("utf-8")  # the message never carries the bad string itself
+
+
+def test_check_encodable_refuses_sets_only_where_order_matters() -> None:
+    check_encodable({"tags": {"a", "b"}})
+    with pytest.raises(UnencodableRequest, match="set"):
+        check_encodable({"tags": {"a", "b"}}, sets=False)
+
+
+@given(
+    st.recursive(
+        st.none()
+        | st.booleans()
+        | st.text()
+        | st.integers(-MAX_JSON_INT, MAX_JSON_INT)
+        | st.floats(allow_nan=False, allow_infinity=False),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+        max_leaves=20,
+    )
+)
+def test_check_encodable_accepts_what_json_carries(value: object) -> None:
+    check_encodable(value)  # st.text() never yields lone surrogates
+    json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+@given(st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1))
+def test_surrogates_in_effect_fields_are_refused_by_the_fingerprint(bad: str) -> None:
+    with pytest.raises(UnencodableRequest):
+        fingerprint({"customer": bad})
+    with pytest.raises(UnencodableRequest):
+        fingerprint({bad: 1})
 
 
 # -- keys and backoff ------------------------------------------------------------------

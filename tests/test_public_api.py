@@ -9,7 +9,9 @@ EXPECTED = [
     "Answer",
     "AnswerKind",
     "ClaimResult",
+    "CommitUncertain",
     "ConfigurationError",
+    "CorruptRecord",
     "DatabaseUnavailable",
     "EventRecord",
     "Executor",
@@ -28,6 +30,7 @@ EXPECTED = [
     "OperationRecord",
     "OperationType",
     "Outcome",
+    "OutcomeNotRecorded",
     "PayorchError",
     "Provider",
     "ProviderError",
@@ -47,6 +50,7 @@ EXPECTED = [
     "StorageError",
     "Store",
     "SubmitRequest",
+    "UnencodableRequest",
     "UnknownOperationType",
     "UnknownProvider",
     "WebhookEvent",
@@ -73,6 +77,16 @@ def test_every_error_derives_from_the_base_and_has_a_status() -> None:
         cls = getattr(errors, name)
         assert issubclass(cls, errors.PayorchError)
         assert 400 <= cls.http_status <= 599
+
+
+def test_every_error_has_its_own_stable_problem_type() -> None:
+    types = {}
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        assert "problem_type" in vars(cls), f"{name} must set its own problem_type"
+        assert cls.problem_type.startswith("urn:payorch:problem:")
+        types[cls.problem_type] = name
+    assert len(types) == len(errors.__all__)  # no two errors share a type
 
 
 def test_errors_survive_pickling() -> None:

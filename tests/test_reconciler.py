@@ -391,10 +391,11 @@ def test_an_adapter_failure_during_resubmission_is_recorded(
     age(store, op_id, timedelta(minutes=5))
     with Broken(base_url=sandbox.url, timeout=FAST_TIMEOUT) as broken:
         rec = reconciler(store, broken, not_found_grace=timedelta(minutes=1))
-        assert rec.reconcile_once().outcomes == Counter({"check_error": 1})
+        assert rec.reconcile_once().outcomes == Counter({"resubmitted_outcome_unknown": 1})
     events = [e.kind for e in store.events("shop", op_id)]
-    assert events[-2:] == ["resubmit", "check_error"]
+    assert events[-2:] == ["resubmit", "resubmission"]
     record = store.get("shop", op_id)
-    # Possibly sent, under our expiring lease: the next pass asks the provider again.
-    assert record.state is State.IN_PROGRESS and record.possibly_sent
+    # The exception is classified as possibly sent: unknown, flagged, asked again later.
+    assert record.state is State.OUTCOME_UNKNOWN and record.possibly_sent
+    assert record.needs_attention
     assert sandbox.ledger() == []

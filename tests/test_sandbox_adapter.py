@@ -536,7 +536,6 @@ def test_429_on_query_is_not_sent() -> None:
 @pytest.mark.parametrize(
     ("status", "body", "code"),
     [
-        (401, {"error": {"type": "authentication_error", "code": "bad_key"}}, "bad_key"),
         (400, {"error": {"type": "invalid_request_error", "code": "amount_too_small"}}, None),
     ],
 )
@@ -545,6 +544,12 @@ def test_a_4xx_the_acquirer_explains_is_declined(status: int, body: Any, code: s
     assert answer.kind is AnswerKind.DECLINED
     assert answer.status_code == status
     assert answer.code == (code or body["error"]["code"])
+
+
+def test_a_401_is_a_configuration_fault_never_a_decline() -> None:
+    body = {"error": {"type": "authentication_error", "code": "bad_key"}}
+    answer = answer_for(httpx.Response(401, content=json.dumps(body).encode()))
+    assert (answer.kind, answer.code) == (AnswerKind.NOT_SENT, "provider_auth_failed")
 
 
 @pytest.mark.parametrize(

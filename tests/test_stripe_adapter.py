@@ -561,16 +561,6 @@ def test_idempotency_error_raises(stripe: StripeProvider, router: respx.Router) 
     ("status", "body", "headers", "code"),
     [
         (
-            409,
-            stripe_error(
-                "idempotency_error",
-                "There is currently another in-progress request using this Idempotent Key.",
-                code="idempotency_key_in_use",
-            ),
-            {},
-            "idempotency_key_in_use",
-        ),
-        (
             429,
             stripe_error(
                 "invalid_request_error",
@@ -594,12 +584,6 @@ def test_idempotency_error_raises(stripe: StripeProvider, router: respx.Router) 
             "rate_limit",
         ),
         (429, stripe_error("rate_limit_error", "Too many requests"), {}, "rate_limited"),
-        (
-            400,
-            stripe_error("invalid_request_error", "Try again", code="processing_error"),
-            {"Stripe-Should-Retry": "true"},
-            "processing_error",
-        ),
     ],
 )
 def test_not_executed_replies_are_not_sent(
@@ -619,6 +603,47 @@ def test_not_executed_replies_are_not_sent(
     assert answer.retry_after == 1.0
     assert answer.status_code == status
     assert answer.body == body
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "headers", "code"),
+    [
+        (
+            409,
+            stripe_error(
+                "idempotency_error",
+                "There is currently another in-progress request using this Idempotent Key.",
+                code="idempotency_key_in_use",
+            ),
+            {},
+            "idempotency_key_in_use",
+        ),
+        (
+            400,
+            stripe_error("invalid_request_error", "Try again", code="processing_error"),
+            {"Stripe-Should-Retry": "true"},
+            "processing_error",
+        ),
+    ],
+)
+def test_retry_safe_replies_that_may_follow_an_effect_are_ambiguous(
+    stripe: StripeProvider,
+    router: respx.Router,
+    status: int,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    code: str,
+) -> None:
+    # Stripe-Should-Retry and a key in use promise that the same key may be retried, not
+    # that nothing happened: another request under our key may be moving the money.
+    router.post("/v1/payment_intents").mock(
+        return_value=httpx.Response(status, json=body, headers=headers)
+    )
+    answer = stripe.submit(create_request())
+    assert answer.kind is AnswerKind.AMBIGUOUS
+    assert answer.possibly_sent
+    assert answer.code == code
+    assert answer.status_code == status
 
 
 def test_429_retry_after_is_kept(stripe: StripeProvider, router: respx.Router) -> None:
@@ -642,8 +667,6 @@ def test_429_retry_after_is_kept(stripe: StripeProvider, router: respx.Router) -
     [
         (400, "invalid_request_error", "parameter_invalid_integer"),
         (404, "invalid_request_error", "resource_missing"),
-        (401, "authentication_error", None),
-        (403, "permission_error", None),
     ],
 )
 def test_refusals_are_declined_with_their_code(
@@ -680,15 +703,37 @@ def test_api_error_on_a_4xx_is_ambiguous(stripe: StripeProvider, router: respx.R
     )
 
 
+@pytest.mark.parametrize(
+    ("status", "body"),
+    [
+        (401, stripe_error("authentication_error", "refused")),
+        (403, stripe_error("permission_error", "refused")),
+        (403, None),  # a proxy's page: our credentials or our egress are refused
+    ],
+)
+def test_auth_refusals_are_configuration_faults_not_declines(
+    stripe: StripeProvider, router: respx.Router, status: int, body: dict[str, Any] | None
+) -> None:
+    reply = (
+        httpx.Response(status, json=body)
+        if body is not None
+        else httpx.Response(status, text="<html>blocked by proxy</html>")
+    )
+    router.post("/v1/payment_intents").mock(return_value=reply)
+    answer = stripe.submit(create_request())
+    assert (answer.kind, answer.code) == (AnswerKind.NOT_SENT, "provider_auth_failed")
+    assert answer.status_code == status
+
+
 def test_4xx_without_stripe_error_object_is_ambiguous(
     stripe: StripeProvider, router: respx.Router
 ) -> None:
     router.post("/v1/payment_intents").mock(
-        return_value=httpx.Response(403, text="<html>blocked by proxy</html>")
+        return_value=httpx.Response(418, text="<html>a proxy's page</html>")
     )
     answer = stripe.submit(create_request())
-    assert (answer.kind, answer.code) == (AnswerKind.AMBIGUOUS, "http_403")
-    assert answer.raw == "<html>blocked by proxy</html>"
+    assert (answer.kind, answer.code) == (AnswerKind.AMBIGUOUS, "http_418")
+    assert answer.raw == "<html>a proxy's page</html>"
 
 
 @pytest.mark.parametrize(
@@ -793,7 +838,9 @@ def test_query_refusal_is_never_declined(stripe: StripeProvider, router: respx.R
     body = stripe_error("invalid_request_error", "Invalid API Key provided: sk_test_****dc")
     router.get(f"/v1/payment_intents/{PI_ID}").mock(return_value=httpx.Response(401, json=body))
     answer = stripe.query_status(query())
-    assert answer.kind is AnswerKind.AMBIGUOUS
+    # A read refused for our credentials is no evidence either way: look again later.
+    assert answer.kind is AnswerKind.NOT_SENT
+    assert answer.code == "provider_auth_failed"
     assert answer.status_code == 401
 
 

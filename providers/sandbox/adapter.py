@@ -1,12 +1,16 @@
 """The sandbox acquirer's adapter: implements :class:`orchestrator.provider.Provider`.
 
 Every httpx exception is caught here, once, and classified by
-:func:`orchestrator.provider.answer_from_transport_error`; nothing from httpx escapes.
+:func:`orchestrator.provider.answer_from_transport_error`; nothing from httpx escapes. Every
+call runs under :func:`orchestrator.provider.send_with_deadline`, so ``max_call_duration``
+(the deadline) bounds it whatever the server does.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import time
 from collections.abc import Mapping
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -37,6 +41,7 @@ from orchestrator.provider import (
     bounded_raw,
     call_budget,
     parse_retry_after,
+    send_with_deadline,
 )
 
 __all__ = ["DEFAULT_TIMEOUT", "SandboxProvider"]
@@ -84,11 +89,17 @@ class SandboxProvider:
         webhook_secret: str | None = None,
         idempotency_window: timedelta | None = timedelta(hours=24),
         timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+        deadline: timedelta | None = None,
         client: httpx.Client | None = None,
         transport: httpx.BaseTransport | None = None,
         name: str = "sandbox",
     ) -> None:
-        self._max_call_duration = call_budget(timeout)  # refuses a time-out phase left None
+        # The whole call's bound; by default every time-out phase added up.
+        budget = call_budget(timeout)  # refuses a time-out phase left None
+        self._deadline = deadline if deadline is not None else budget
+        seconds = self._deadline.total_seconds()
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ConfigurationError(f"the call deadline must be positive, not {deadline!r}")
         if client is not None and transport is not None:
             raise ValueError("pass client or transport, not both")
         try:
@@ -126,7 +137,7 @@ class SandboxProvider:
 
     @property
     def max_call_duration(self) -> timedelta:
-        return self._max_call_duration
+        return self._deadline
 
     def submit(self, request: SubmitRequest) -> Answer:
         payload = dict(request.payload)
@@ -136,11 +147,14 @@ class SandboxProvider:
         payload["metadata"] = metadata
         url = f"{self._base_url}/v1/operations/{quote(request.operation, safe='')}"
         try:
-            response = self._client.post(
-                url,
-                json=payload,
-                headers={"Idempotency-Key": request.downstream_key},
-                timeout=self._timeout,
+            response = self._send(
+                self._client.build_request(
+                    "POST",
+                    url,
+                    json=payload,
+                    headers={"Idempotency-Key": request.downstream_key},
+                    timeout=self._timeout,
+                )
             )
         except httpx.HTTPError as exc:
             return answer_from_transport_error(exc)
@@ -154,7 +168,9 @@ class SandboxProvider:
             url = f"{self._base_url}/v1/effects"
             params = {"idempotency_key": query.downstream_key}
         try:
-            response = self._client.get(url, params=params, timeout=self._timeout)
+            response = self._send(
+                self._client.build_request("GET", url, params=params, timeout=self._timeout)
+            )
         except httpx.HTTPError as exc:
             # NOT_SENT or AMBIGUOUS: for a read both only mean "unavailable, ask later".
             return answer_from_transport_error(exc)
@@ -178,6 +194,11 @@ class SandboxProvider:
         except ValueError as exc:
             raise WebhookMalformed("webhook body is not JSON") from exc
         return self._event_from(event, lowered)
+
+    def _send(self, request: httpx.Request) -> httpx.Response:
+        return send_with_deadline(
+            self._client, request, deadline=time.monotonic() + self._deadline.total_seconds()
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -251,8 +272,11 @@ class SandboxProvider:
         answers = [self._from_effect(e if isinstance(e, dict) else None, evidence) for e in data]
         best = min(answers, key=lambda a: _PRECEDENCE.get(a.kind, len(_PRECEDENCE)))
         if len(data) > 1:
-            # The key was reused past the window: more than one effect. Say so in evidence.
-            return replace(best, message=f"{len(data)} effects for this key")
+            # The key was reused past the window: more than one effect. Say so in evidence,
+            # and name the others so the reconciler can flag the duplicate.
+            refs = dict.fromkeys(a.provider_reference for a in answers if a.provider_reference)
+            others = tuple(r for r in refs if r != best.provider_reference)
+            return replace(best, message=f"{len(data)} effects for this key", duplicates=others)
         return best
 
     @staticmethod

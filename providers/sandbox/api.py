@@ -8,10 +8,10 @@ Decisions worth knowing:
 - A second request with a key whose first request is still executing gets 409
   ``request_in_progress`` with Retry-After at once (Stripe's behaviour) instead of waiting:
   a waiting handler could be stuck behind a slow first request for no benefit.
-- Faults after commit (``error_500_after``, ``drop_after``, ``reset_after``) model a failure
-  on the way back: the stored response is the real one (200 or 402), so a retry with the
-  same key replays the effect. They apply to replays too; faults that shape the effect
-  (``decline``, ``pending``) do not, as the stored answer wins.
+- Faults after commit (``error_500_after``, ``drop_after``, ``reset_after``, ``trickle``)
+  model a failure on the way back: the stored response is the real one (200 or 402), so a
+  retry with the same key replays the effect. They apply to replays too; faults that shape
+  the effect (``decline``, ``pending``) do not, as the stored answer wins.
 - ``rate_limit`` and ``error_500_before`` act before the idempotency store: nothing stored.
 - GETs honour the ``X-Sandbox-Fault`` header too (``decline`` and ``pending`` are ignored
   there); the queue and the rates only apply to POST /v1/operations.
@@ -28,7 +28,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from providers.sandbox.faults import AFTER_COMMIT, BEFORE_COMMIT, Fault, FaultPlan, parse_fault
+from providers.sandbox.faults import (
+    AFTER_COMMIT,
+    BEFORE_COMMIT,
+    WIRE_FAULTS,
+    Fault,
+    FaultPlan,
+    parse_fault,
+)
 from providers.sandbox.ledger import Claim, Clock, EffectStatus, IdempotencyStore, Ledger
 from providers.sandbox.webhooks import Outbox
 
@@ -45,7 +52,7 @@ class Reply:
     status: int
     body: bytes
     headers: Mapping[str, str] = field(default_factory=dict)
-    wire: Fault | None = None  # DROP_AFTER / RESET_AFTER: what to do instead of answering
+    wire: Fault | None = None  # DROP_AFTER / RESET_AFTER / TRICKLE: how to (not) answer
 
 
 def _json(status: int, obj: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> Reply:
@@ -105,6 +112,7 @@ class Acquirer:
         retry_after: str,
         drop_hold: float,
         stop: threading.Event,
+        trickle_interval: float = 0.05,
     ) -> None:
         self.clock = clock
         self.faults = faults
@@ -114,6 +122,7 @@ class Acquirer:
         self._lag = lag
         self._retry_after = retry_after
         self._drop_hold = drop_hold
+        self._trickle_interval = trickle_interval
         self._stop = stop
         self._gate_lock = threading.Lock()
         self._gate: CommitGate | None = None
@@ -125,6 +134,10 @@ class Acquirer:
     def hold_response(self) -> None:
         """Keep a dropped response's connection open; stop() ends the wait early."""
         self._stop.wait(self._drop_hold)
+
+    def trickle_pause(self) -> bool:
+        """Wait between two trickled bytes; True if the server is stopping (give up)."""
+        return self._stop.wait(self._trickle_interval)
 
     @contextlib.contextmanager
     def hold_commits(self) -> Iterator[CommitGate]:
@@ -171,7 +184,7 @@ class Acquirer:
             early = self._fault_before(forced)
             if early is not None:
                 return early
-            wire = forced if forced in (Fault.DROP_AFTER, Fault.RESET_AFTER) else None
+            wire = forced if forced in WIRE_FAULTS else None
         return replace(self._get(path, parse_qs(parts.query)), wire=wire)
 
     def _get(self, path: str, query: Mapping[str, list[str]]) -> Reply:

@@ -14,7 +14,7 @@ import threading
 from collections import deque
 from collections.abc import Mapping
 
-__all__ = ["AFTER_COMMIT", "BEFORE_COMMIT", "Fault", "FaultPlan", "parse_fault"]
+__all__ = ["AFTER_COMMIT", "BEFORE_COMMIT", "WIRE_FAULTS", "Fault", "FaultPlan", "parse_fault"]
 
 LATENCY_RANGE = (0.05, 0.30)  # seconds
 FAULT_LOG_LIMIT = 10_000  # entries kept by FaultPlan.log()
@@ -29,12 +29,19 @@ class Fault(enum.StrEnum):
     RESET_AFTER = "reset_after"  # commit, then reset the connection (RST)
     RATE_LIMIT = "rate_limit"  # 429 + Retry-After, nothing committed
     PENDING = "pending"  # commit as "processing"; it settles later
+    # Commit, then send the headers at once and the body one byte per trickle interval:
+    # every gap is shorter than a read time-out, the whole far longer than a call deadline.
+    TRICKLE = "trickle"
 
 
 # Faults that stop a request before the idempotency store or the ledger see it.
 BEFORE_COMMIT = frozenset({Fault.RATE_LIMIT, Fault.ERROR_500_BEFORE})
 # Faults that hit the response on the wire: they apply to replays too.
-AFTER_COMMIT = frozenset({Fault.ERROR_500_AFTER, Fault.DROP_AFTER, Fault.RESET_AFTER})
+AFTER_COMMIT = frozenset(
+    {Fault.ERROR_500_AFTER, Fault.DROP_AFTER, Fault.RESET_AFTER, Fault.TRICKLE}
+)
+# Faults acted out by the server on the socket instead of a plain answer.
+WIRE_FAULTS = frozenset({Fault.DROP_AFTER, Fault.RESET_AFTER, Fault.TRICKLE})
 
 
 def parse_fault(value: str) -> Fault:

@@ -73,6 +73,7 @@ class SandboxServer:
         seed: int = 0,
         retry_after: str = "1",
         drop_hold_seconds: float = 30.0,
+        trickle_interval: float = 0.05,
     ) -> None:
         if not _is_loopback(host):
             raise ValueError(f"the sandbox only listens on loopback, not {host!r}")
@@ -101,6 +102,7 @@ class SandboxServer:
             retry_after=retry_after,
             drop_hold=_seconds(drop_hold_seconds, "drop_hold_seconds"),
             stop=self._stop,
+            trickle_interval=_seconds(trickle_interval, "trickle_interval"),
         )
         self._state = threading.Lock()
         self._httpd: _HTTPServer | None = None
@@ -332,9 +334,22 @@ class _Handler(BaseHTTPRequestHandler):
             for name, value in reply.headers.items():
                 self.send_header(name, value)
             self.end_headers()
-            self.wfile.write(reply.body)
+            if reply.wire is Fault.TRICKLE:
+                self._trickle(reply.body, acquirer)
+            else:
+                self.wfile.write(reply.body)
         except OSError:
             self.close_connection = True  # the client went away; nothing to tell it
+
+    def _trickle(self, body: bytes, acquirer: Acquirer) -> None:
+        """Send ``body`` one byte per trickle interval; a client that gives up ends it."""
+        self.close_connection = True  # a cut-short body leaves the connection unusable
+        self.wfile.flush()  # the headers go out at once
+        for i in range(len(body)):
+            if i and acquirer.trickle_pause():
+                return  # stopping: the body stays incomplete
+            self.wfile.write(body[i : i + 1])
+            self.wfile.flush()
 
     def _read_body(self) -> bytes | None:
         """The request body, b"" if none; None if too large or unreadable."""

@@ -10,11 +10,17 @@ refund.create      ``POST /v1/refunds``
 
 Every POST carries ``Idempotency-Key: <downstream key>``, identical on every attempt, and
 ``metadata[payorch_*]`` so that the effect can be found again without its id.
+
+One ``submit`` or ``query_status`` runs under one total deadline (``max_call_duration``),
+shared by every HTTP request it makes (a search and its reads, pages of refunds).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, Self
@@ -31,6 +37,7 @@ from orchestrator.provider import (
     answer_from_transport_error,
     bounded_raw,
     call_budget,
+    send_with_deadline,
 )
 
 from .classify import (
@@ -87,6 +94,7 @@ class StripeProvider:
         webhook_secret: str | None = None,
         base_url: str = "https://api.stripe.com",
         timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+        deadline: timedelta | None = None,
         webhook_tolerance: timedelta = DEFAULT_WEBHOOK_TOLERANCE,
         client: httpx.Client | None = None,
         transport: httpx.BaseTransport | None = None,
@@ -104,10 +112,14 @@ class StripeProvider:
         if client is not None and transport is not None:
             raise ConfigurationError("pass either client or transport, not both")
         try:
-            self._max_call_duration = call_budget(timeout)
+            # The bound of one submit or status query; by default every time-out phase.
+            self._max_call_duration = deadline if deadline is not None else call_budget(timeout)
             url = httpx.URL(base_url)
         except (ValueError, httpx.InvalidURL) as exc:
             raise ConfigurationError(f"invalid Stripe adapter setting: {exc}") from exc
+        seconds = self._max_call_duration.total_seconds()
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ConfigurationError(f"the call deadline must be positive, not {deadline!r}")
         if url.scheme not in ("http", "https") or not url.host:
             raise ConfigurationError(f"Stripe base_url {base_url!r} is not an http(s) URL")
         self._base_url = str(url).rstrip("/")
@@ -147,7 +159,13 @@ class StripeProvider:
         except InvalidPayload as exc:
             # Nothing was sent; Stripe would have refused it with a 400 all the same.
             return Answer(kind=AnswerKind.DECLINED, code="invalid_payload", message=str(exc))
-        reply = self._call("POST", path, form=form, idempotency_key=request.downstream_key)
+        reply = self._call(
+            "POST",
+            path,
+            form=form,
+            idempotency_key=request.downstream_key,
+            deadline=self._deadline(),
+        )
         if isinstance(reply, Answer):
             return reply
         failure = failure_answer(
@@ -171,6 +189,7 @@ class StripeProvider:
         that intent's refunds. Transport errors, 429 and 5xx come back as they are.
         """
         require_supported(query.operation)
+        deadline = self._deadline()
         reference = query.provider_reference
         if reference is not None:
             if not STRIPE_ID.fullmatch(reference):
@@ -183,13 +202,13 @@ class StripeProvider:
                 not reference.startswith("pi_") and query.operation == REFUND_CREATE
             )
             path = f"/v1/refunds/{reference}" if is_refund else f"/v1/payment_intents/{reference}"
-            return self._retrieve(query, path)
+            return self._retrieve(query, path, deadline)
         if query.operation == PAYMENT_CREATE:
-            return self._search_intents(query)
+            return self._search_intents(query, deadline)
         intent = self._payload_intent(query)
         if query.operation == PAYMENT_CAPTURE:
-            return self._retrieve(query, f"/v1/payment_intents/{intent}")
-        return self._list_refunds(query, intent)
+            return self._retrieve(query, f"/v1/payment_intents/{intent}", deadline)
+        return self._list_refunds(query, intent, deadline)
 
     def parse_webhook(self, headers: Mapping[str, str], body: bytes) -> WebhookEvent:
         if self._webhook_secret is None:
@@ -217,11 +236,16 @@ class StripeProvider:
 
     # -- HTTP ----------------------------------------------------------------------------------
 
+    def _deadline(self) -> float:
+        """The monotonic instant by which the current submit or status query must end."""
+        return time.monotonic() + self._max_call_duration.total_seconds()
+
     def _call(
         self,
         method: str,
         path: str,
         *,
+        deadline: float,
         params: Mapping[str, str] | None = None,
         form: Mapping[str, str] | None = None,
         idempotency_key: str | None = None,
@@ -231,7 +255,7 @@ class StripeProvider:
         if idempotency_key is not None:
             headers["Idempotency-Key"] = idempotency_key
         try:
-            response = self._client.request(
+            request = self._client.build_request(
                 method,
                 self._base_url + path,
                 params=params,
@@ -239,12 +263,13 @@ class StripeProvider:
                 headers=headers,
                 timeout=self._timeout,
             )
+            response = send_with_deadline(self._client, request, deadline=deadline)
         except httpx.HTTPError as exc:
             return answer_from_transport_error(exc)
         return Reply.from_response(response)
 
-    def _retrieve(self, query: StatusQuery, path: str) -> Answer:
-        reply = self._call("GET", path)
+    def _retrieve(self, query: StatusQuery, path: str, deadline: float) -> Answer:
+        reply = self._call("GET", path, deadline=deadline)
         if isinstance(reply, Answer):
             return reply
         failure = failure_answer(reply, query=True)
@@ -270,10 +295,10 @@ class StripeProvider:
             ) from exc
 
     def _list_page(
-        self, path: str, params: Mapping[str, str]
+        self, path: str, params: Mapping[str, str], deadline: float
     ) -> tuple[Reply, dict[str, Any], list[dict[str, Any]]] | Answer:
         """One list or search page: the reply, its body and its objects, or the final answer."""
-        reply = self._call("GET", path, params=params)
+        reply = self._call("GET", path, params=params, deadline=deadline)
         if isinstance(reply, Answer):
             return reply
         failure = failure_answer(reply, query=True)
@@ -291,9 +316,9 @@ class StripeProvider:
             )
         return reply, reply.body, [item for item in data if isinstance(item, dict)]
 
-    def _search_intents(self, query: StatusQuery) -> Answer:
+    def _search_intents(self, query: StatusQuery, deadline: float) -> Answer:
         page = self._list_page(
-            "/v1/payment_intents/search", {"query": search_query(query.operation_id)}
+            "/v1/payment_intents/search", {"query": search_query(query.operation_id)}, deadline
         )
         if isinstance(page, Answer):
             return page
@@ -311,15 +336,19 @@ class StripeProvider:
                 body=body,
             )
         # Search results may be stale; the status that decides comes from a fresh read.
-        return pick_answer(
-            [self._retrieve(query, f"/v1/payment_intents/{pi}") for pi in ids[:_SEARCH_LIMIT]]
+        return _picked(
+            [
+                self._retrieve(query, f"/v1/payment_intents/{pi}", deadline)
+                for pi in ids[:_SEARCH_LIMIT]
+            ],
+            ids,
         )
 
-    def _list_refunds(self, query: StatusQuery, intent: str) -> Answer:
+    def _list_refunds(self, query: StatusQuery, intent: str, deadline: float) -> Answer:
         params = {"payment_intent": intent, "limit": "100"}
         found: list[Answer] = []
         for _ in range(_REFUND_PAGES):
-            page = self._list_page("/v1/refunds", params)
+            page = self._list_page("/v1/refunds", params, deadline)
             if isinstance(page, Answer):
                 return page
             reply, body, data = page
@@ -340,7 +369,7 @@ class StripeProvider:
             last = data[-1].get("id") if data else None
             if body.get("has_more") is not True or not isinstance(last, str):
                 if found:
-                    return pick_answer(found)
+                    return _picked(found)
                 return Answer(
                     kind=AnswerKind.NOT_FOUND,
                     status_code=reply.status,
@@ -349,9 +378,22 @@ class StripeProvider:
                 )
             params["starting_after"] = last
         if found:
-            return pick_answer(found)
+            return _picked(found)
         return Answer(
             kind=AnswerKind.AMBIGUOUS,
             code="too_many_refunds",
             message=f"{intent} has more than {_REFUND_PAGES * 100} refunds; stopped listing",
         )
+
+
+def _picked(answers: list[Answer], found: Sequence[str] = ()) -> Answer:
+    """:func:`pick_answer`, naming every other object found for the operation in
+    ``duplicates`` (``found``: what a search listed, even objects not read back)."""
+    best = pick_answer(answers)
+    refs = list(
+        dict.fromkeys([*found, *(a.provider_reference for a in answers if a.provider_reference)])
+    )
+    if len(refs) < 2:
+        return best
+    primary = best.provider_reference or refs[0]
+    return replace(best, duplicates=tuple(r for r in refs if r != primary))

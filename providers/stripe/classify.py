@@ -73,11 +73,19 @@ REFUND_KINDS: Mapping[str, AnswerKind] = {
     "canceled": _D,
 }
 
-# Error codes that Stripe documents as "not executed, retry later" (409 in-flight key,
-# lock contention on the object, and the pre-429 400 rate_limit).
-_RETRYABLE_CODES = frozenset({"idempotency_key_in_use", "lock_timeout", "rate_limit"})
+# Error codes for a request that did not run: lock contention on the object, and the
+# pre-429 400 rate_limit. Retried inline with the same key, and "not sent" if they persist.
+_NOT_EXECUTED_CODES = frozenset({"lock_timeout", "rate_limit"})
+# Stripe-Should-Retry: true promises that retrying with the same key is safe, not that
+# nothing happened: with 409 idempotency_key_in_use another request under our key is still
+# executing and may move money. Such replies are AMBIGUOUS (the reconciler asks, after their
+# Retry-After), never "not sent", so no failed_final can claim nothing was sent.
+_IN_FLIGHT_CODES = frozenset({"idempotency_key_in_use"})
+# Credentials refused before anything ran: a configuration fault (see answer_from_http_status).
+_AUTH_TYPES = frozenset({"authentication_error", "permission_error"})
+AUTH_FAILED = "provider_auth_failed"
 # 4xx error types that mean Stripe refused the request before anything moved.
-_REFUSAL_TYPES = frozenset({"invalid_request_error", "authentication_error", "permission_error"})
+_REFUSAL_TYPES = frozenset({"card_error", "invalid_request_error"})
 
 # Kinds ordered by how much they must win when several objects answer one operation: money
 # that moved outranks everything, and anything unsettled outranks a refusal.
@@ -166,11 +174,16 @@ def failure_answer(
     err = reply.error
     shared = answer_from_http_status(reply.status, retry_after=reply.retry_after, raw=reply.content)
     if shared is not None:
-        # 429 and 5xx: the shared rule decides the kind; Stripe's body is evidence.
+        # 401/403, 429 and 5xx: the shared rule decides the kind; Stripe's body is evidence.
+        stripe_code = _clip(_text(err.get("code")) if err else None)
+        stripe_message = _text(err.get("message")) if err else None
+        if shared.code == AUTH_FAILED:  # keep our code: Stripe's (api_key_expired…) is evidence
+            said = f" (Stripe said: {stripe_message})" if stripe_message else ""
+            stripe_code, stripe_message = None, f"{shared.message}{said}"
         return replace(
             shared,
-            code=_clip(_text(err.get("code")) if err else None) or shared.code,
-            message=reply.note(_text(err.get("message")) if err else None),
+            code=stripe_code or shared.code,
+            message=reply.note(stripe_message),
             provider_reference=_embedded_intent_id(err),
             body=reply.body,
             raw=shared.raw if reply.body is None else None,
@@ -216,15 +229,18 @@ def _error_answer(
             body=reply.body,
         )
 
-    if (
-        reply.status == 409
-        or code in _RETRYABLE_CODES
-        or etype == "rate_limit_error"
-        or reply.should_retry
-    ):
-        # Not executed (another request holds our key, lock contention, rate limit): Stripe
-        # saves no idempotent result for these, so a retry with the same key runs afresh.
-        return answer(AnswerKind.NOT_SENT, code, parse_retry_after(reply.retry_after))
+    retry_after = parse_retry_after(reply.retry_after)
+    if code in _NOT_EXECUTED_CODES or etype == "rate_limit_error":
+        # Not executed (lock contention, rate limit): Stripe saves no idempotent result for
+        # these, so a retry with the same key runs afresh.
+        return answer(AnswerKind.NOT_SENT, code, retry_after)
+    if reply.status == 409 or code in _IN_FLIGHT_CODES or reply.should_retry:
+        # Safe to retry with the same key, but our key may be acting elsewhere right now.
+        return answer(AnswerKind.AMBIGUOUS, code, retry_after)
+    if etype in _AUTH_TYPES:
+        # Credentials refused (with a status other than 401/403): nothing ran.
+        auth = answer(AnswerKind.NOT_SENT, AUTH_FAILED, 60.0)
+        return replace(auth, message=f"Stripe refused our credentials: {message or etype}")
     if query:
         missing = reply.status == 404 and code == "resource_missing"
         return answer(AnswerKind.NOT_FOUND if missing else AnswerKind.AMBIGUOUS, code)
@@ -234,10 +250,8 @@ def _error_answer(
             f"different parameters (Stripe said: {message or 'no message'})",
             operation_id=operation_id,
         )
-    if etype == "card_error":
+    if etype in _REFUSAL_TYPES:  # only a card_error carries a decline_code
         return answer(AnswerKind.DECLINED, _text(err.get("decline_code")) or code)
-    if etype in _REFUSAL_TYPES:
-        return answer(AnswerKind.DECLINED, code)
     # api_error (and any type Stripe may add) is no verdict on the operation.
     return answer(AnswerKind.AMBIGUOUS, code)
 

@@ -1,0 +1,173 @@
+"""The total deadline of one provider call: :func:`send_with_deadline`.
+
+httpx's time-outs apply per socket operation (each connect, write, read), so a response
+trickled one byte per read time-out never times out. Here the call runs on a worker thread
+and the caller waits for it until the deadline, which bounds the call whatever the provider
+does. Whether the request may have been sent by then is decided once, under a lock, from
+httpcore's phase announcements (the ``trace`` request extension).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import httpx
+
+__all__ = ["DeadlineExceeded", "send_with_deadline"]
+
+
+class DeadlineExceeded(httpx.TimeoutException):
+    """The whole call outlived its deadline; ``possibly_sent``: writing may have begun."""
+
+    code = "deadline_exceeded"
+
+    def __init__(self, message: str, *, possibly_sent: bool, request: httpx.Request) -> None:
+        super().__init__(message, request=request)
+        self.possibly_sent = possibly_sent
+
+
+# The request's first byte is written in this phase (HTTP/1.1 and HTTP/2 alike).
+_WRITE_PHASES = frozenset({"send_request_headers"})
+_WORK_PHASES = _WRITE_PHASES | {
+    "connect_tcp",
+    "connect_unix_socket",
+    "start_tls",
+    "send_connection_init",  # the HTTP/2 preface: bytes on the wire, none of the request
+    "send_request_body",
+    "receive_response_headers",
+    "receive_response_body",
+}
+
+
+class _Call:
+    """One request run on a worker thread, and what its caller may conclude at the deadline.
+
+    ``writing`` turns True, under ``lock``, just before the first byte of the request is
+    written; once the caller has given up (``abandoned``) the worker never starts writing.
+    So "not written" is decided once, by whichever side takes the lock first.
+    """
+
+    def __init__(self, client: httpx.Client, request: httpx.Request, deadline: float) -> None:
+        self.client = client
+        self.request = request
+        self.deadline = deadline
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.abandoned = False
+        self.writing = False
+        self.response: httpx.Response | None = None
+        self.error: BaseException | None = None
+        self.traced = _traces_phases(client, request)
+        configured = request.extensions.get("timeout") or {}
+        self.configured: dict[str, float | None] = dict(configured)
+        # httpcore reads this dict at the start of each phase; trace() keeps it capped to
+        # what is left, so an abandoned worker also gives up soon.
+        self.timeouts: dict[str, float | None] = dict(self.configured)
+        request.extensions = {**request.extensions, "timeout": self.timeouts, "trace": self.trace}
+
+    def expired(self) -> DeadlineExceeded:
+        return DeadlineExceeded(
+            "the provider call outlived its deadline",
+            possibly_sent=self.writing,
+            request=self.request,
+        )
+
+    def checkpoint(self, *, starts_writing: bool = False) -> None:
+        """Between two steps of the worker: stop if the deadline passed; note writing."""
+        with self.lock:
+            remaining = self.deadline - time.monotonic()
+            if self.abandoned or remaining <= 0:
+                self.abandoned = True
+                raise self.expired()
+            self.writing = self.writing or starts_writing
+        for phase, limit in self.configured.items():
+            self.timeouts[phase] = remaining if limit is None else min(limit, remaining)
+
+    def trace(self, event: str, info: Mapping[str, Any]) -> None:
+        # httpcore announces each phase ("http11.send_request_headers.started", …). Only
+        # phases that start work may stop the worker: raising while a response closes would
+        # keep its connection out of the pool.
+        *_, phase, stage = event.split(".")
+        if stage == "started" and phase in _WORK_PHASES:
+            self.checkpoint(starts_writing=phase in _WRITE_PHASES)
+
+    def run(self) -> None:
+        try:
+            # A transport that does not announce its phases may write at once: from here on
+            # the request counts as possibly sent.
+            self.checkpoint(starts_writing=not self.traced)
+            response = self.client.send(self.request, stream=True)
+            try:
+                if not isinstance(response.stream, httpx.SyncByteStream):
+                    raise TypeError("an httpx.Client answered with an async stream")
+                response.stream = _CheckedStream(response.stream, self.checkpoint)
+                response.read()
+            finally:
+                response.close()
+            result: tuple[httpx.Response | None, BaseException | None] = (response, None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, who re-raises it
+            result = (None, exc)
+        with self.lock:  # with the result, under the lock give_up() takes
+            self.response, self.error = result
+            self.done.set()
+
+    def give_up(self) -> DeadlineExceeded | None:
+        """At the deadline: the exception to raise, or None if the worker just finished."""
+        with self.lock:
+            if self.done.is_set():
+                return None
+            self.abandoned = True
+            return self.expired()
+
+
+class _CheckedStream(httpx.SyncByteStream):
+    """A response body that stops at the deadline between two chunks."""
+
+    def __init__(self, inner: httpx.SyncByteStream, check: Callable[[], None]) -> None:
+        self._inner = inner
+        self._check = check
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._inner:
+            self._check()
+            yield chunk
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def _traces_phases(client: httpx.Client, request: httpx.Request) -> bool:
+    """Whether ``request`` goes through httpcore, which announces each phase to ``trace``."""
+    try:
+        transport = client._transport_for_url(request.url)  # the mount httpx itself would use
+    except Exception:  # noqa: BLE001 - an unknown client: assume nothing is announced
+        return False
+    return isinstance(transport, httpx.HTTPTransport)
+
+
+def send_with_deadline(
+    client: httpx.Client, request: httpx.Request, *, deadline: float
+) -> httpx.Response:
+    """Send ``request`` and read its whole body, or raise by ``deadline`` at the latest.
+
+    ``deadline`` is a :func:`time.monotonic` instant. The call runs on a worker thread and
+    the caller waits for it until the deadline, so the caller's bound is the deadline itself
+    whatever the provider does (a body or headers trickled one byte per read time-out
+    included). On time, the worker's result is returned, or its ``httpx.HTTPError`` raised.
+    Past it :class:`DeadlineExceeded` is raised, with ``possibly_sent=False`` only when
+    httpcore had not begun writing the request (waiting for a pool slot, connecting, TLS);
+    the abandoned worker then never writes, and stops at its next phase or body chunk.
+    """
+    call = _Call(client, request, deadline)
+    worker = threading.Thread(target=call.run, name="payorch-provider-call", daemon=True)
+    worker.start()
+    if not call.done.wait(max(0.0, deadline - time.monotonic())):
+        expired = call.give_up()
+        if expired is not None:
+            raise expired
+    if call.response is None:
+        raise call.error or RuntimeError("the provider call ended without a result")
+    return call.response

@@ -1,0 +1,216 @@
+"""Answers that say what happened: problem types, 4xx for the caller's mistakes, 503s that
+say when and with which key, and a provider's 401/403 as "nothing sent", never a decline."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import httpx
+import pytest
+import respx
+import sqlalchemy as sa
+from conftest import RecordingSleep
+
+from orchestrator import errors
+from orchestrator.core import State
+from orchestrator.errors import (
+    ConfigurationError,
+    IdempotencyKeyReused,
+    OutcomeNotRecorded,
+    PayorchError,
+    RequestValidationFailed,
+    StorageError,
+    UnknownProvider,
+)
+from orchestrator.executor import Executor
+from orchestrator.http import http_answer
+from orchestrator.operations import default_registry
+from orchestrator.outcome import Outcome
+from orchestrator.provider import AnswerKind, answer_from_http_status
+from orchestrator.store import Store
+from orchestrator.tables import operations
+from providers.sandbox import SandboxProvider, SandboxServer
+from providers.stripe import StripeProvider
+
+PAYMENT = {"amount": 990, "currency": "EUR", "customer": "cus_3"}
+STRIPE = "https://api.stripe.test"
+
+
+def pay(executor: Executor, key: str, **extra: object) -> Outcome:
+    return executor.execute(
+        tenant_id="shop",
+        operation="payment.create",
+        idempotency_key=key,
+        request={**PAYMENT, **extra},
+    )
+
+
+def _count(store: Store) -> int:
+    with store.engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).select_from(operations)).scalar_one())
+
+
+def test_a_reused_key_and_a_refused_payload_are_told_apart(executor: Executor) -> None:
+    pay(executor, "k")
+    with pytest.raises(IdempotencyKeyReused) as reused:
+        pay(executor, "k", amount=991)
+    with pytest.raises(RequestValidationFailed) as invalid:
+        pay(executor, "k2", amount="lots")
+    a, b = http_answer(reused.value), http_answer(invalid.value)
+    assert (a.status, b.status) == (422, 422)
+    assert a.body["type"] == "urn:payorch:problem:idempotency-key-reused"
+    assert b.body["type"] == "urn:payorch:problem:request-validation-failed"
+
+
+def test_an_unknown_provider_from_the_caller_is_a_4xx_and_stores_nothing(
+    executor: Executor, store: Store, sandbox: SandboxServer
+) -> None:
+    with pytest.raises(UnknownProvider) as info:
+        executor.execute(
+            tenant_id="shop",
+            operation="payment.create",
+            idempotency_key="k",
+            request=PAYMENT,
+            provider="acme",
+        )
+    answer = http_answer(info.value)
+    assert answer.status == 400
+    assert answer.body["type"] == "urn:payorch:problem:unknown-provider"
+    assert not isinstance(info.value, ConfigurationError)
+    assert _count(store) == 0 and sandbox.ledger() == []
+
+
+def test_a_default_provider_missing_from_the_executor_is_a_configuration_error(
+    store: Store, sandbox_provider: SandboxProvider
+) -> None:
+    ex = Executor(
+        store=store,
+        providers=[sandbox_provider],
+        registry=default_registry("stripe"),  # every type defaults to a provider we lack
+        lease=timedelta(seconds=30),
+        sleep=RecordingSleep(),
+    )
+    with pytest.raises(ConfigurationError) as info:
+        pay(ex, "k")
+    assert http_answer(info.value).status == 500
+    assert _count(store) == 0
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        StorageError("pool exhausted"),
+        errors.DatabaseUnavailable("connection refused", retry_after=4.2),
+        OutcomeNotRecorded("lost", operation_id="op-1"),
+        errors.CommitUncertain("lost", operation_id="op-1", retry_after=2),
+        errors.CorruptRecord("bad row", tenant_id="t", operation_id="op-2", problem="json"),
+    ],
+)
+def test_every_503_says_when_and_with_the_same_key(err: StorageError) -> None:
+    answer = http_answer(err)
+    assert answer.status == 503
+    assert int(answer.headers["Retry-After"]) == max(1, -(-err.retry_after // 1))
+    assert answer.body["retry"] == "same_key"
+    assert answer.body["type"] == err.problem_type
+    # The database's own words (hosts, SQL) stay on the exception.
+    assert err.message not in answer.body["message"]
+
+
+def test_every_error_class_answers_with_its_type_and_every_503_with_retry_after() -> None:
+    special: dict[str, dict[str, object]] = {
+        "OperationInProgress": {"operation_id": "op", "retry_after": 2.0},
+        "CorruptRecord": {"tenant_id": "t", "operation_id": "op", "problem": "json"},
+    }
+    for name in errors.__all__:
+        cls: type[PayorchError] = getattr(errors, name)
+        err = cls("x", **special.get(name, {}))  # type: ignore[arg-type]
+        answer = http_answer(err)
+        assert answer.body["type"] == cls.problem_type
+        if answer.status == 503:
+            assert int(answer.headers["Retry-After"]) >= 1
+
+
+def test_storage_down_before_the_claim_means_the_same_key(
+    sandbox_provider: SandboxProvider, sandbox: SandboxServer
+) -> None:
+    down = Store.from_url("postgresql+psycopg://nobody@127.0.0.1:9/none?connect_timeout=2")
+    try:
+        ex = Executor(
+            store=down,
+            providers=[sandbox_provider],
+            registry=default_registry("sandbox"),
+            lease=timedelta(seconds=30),
+            sleep=RecordingSleep(),
+        )
+        with pytest.raises(StorageError) as info:
+            pay(ex, "k")
+    finally:
+        down.close()
+    assert not isinstance(info.value, OutcomeNotRecorded)  # nothing can have committed
+    answer = http_answer(info.value)
+    assert (answer.status, answer.body["retry"]) == (503, "same_key")
+    assert "Retry-After" in answer.headers
+    assert sandbox.ledger() == []
+
+
+def test_only_a_stored_failure_with_nothing_sent_allows_a_new_key(
+    store: Store, sandbox: SandboxServer
+) -> None:
+    with SandboxProvider(base_url="http://127.0.0.1:9", timeout=httpx.Timeout(1.0)) as nowhere:
+        ex = Executor(
+            store=store,
+            providers=[nowhere],
+            registry=default_registry("sandbox"),
+            lease=timedelta(seconds=30),
+            sleep=RecordingSleep(),
+        )
+        outcome = pay(ex, "k")
+    assert outcome.state is State.FAILED_FINAL
+    assert store.get("shop", outcome.operation_id).possibly_sent is False
+    answer = http_answer(outcome)
+    assert (answer.status, answer.body["retry"]) == (503, "new_key")
+    assert int(answer.headers["Retry-After"]) >= 1
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_credentials_refused_is_not_sent_never_a_decline(status: int) -> None:
+    answer = answer_from_http_status(status, raw=b"<html>denied</html>")
+    assert answer is not None
+    assert (answer.kind, answer.code, answer.status_code) == (
+        AnswerKind.NOT_SENT,
+        "provider_auth_failed",
+        status,
+    )
+    assert not answer.possibly_sent
+
+
+@pytest.mark.parametrize(
+    ("status", "error_type"), [(401, "authentication_error"), (403, "permission_error")]
+)
+def test_a_stripe_401_or_403_is_stored_as_nothing_sent(
+    store: Store, status: int, error_type: str
+) -> None:
+    body = {"error": {"type": error_type, "message": "Invalid API Key provided: sk_test_****x"}}
+    timeout = httpx.Timeout(connect=1.0, read=2.0, write=1.0, pool=1.0)
+    with respx.mock(base_url=STRIPE, assert_all_called=True) as mock:
+        route = mock.post("/v1/payment_intents").mock(
+            return_value=httpx.Response(status, json=body)
+        )
+        with StripeProvider(api_key="sk_test_x", base_url=STRIPE, timeout=timeout) as stripe:
+            ex = Executor(
+                store=store,
+                providers=[stripe],
+                registry=default_registry("stripe"),
+                lease=timedelta(seconds=60),
+                sleep=RecordingSleep(),
+            )
+            outcome = pay(ex, "k", payment_method="pm_card_visa")
+    assert len(route.calls) == 1  # credentials are not fixed by backoff: no inline retry
+    record = store.get("shop", outcome.operation_id)
+    assert (record.state, record.possibly_sent) == (State.FAILED_FINAL, False)
+    answer = http_answer(outcome)
+    assert answer.status == 503 and answer.status != 402
+    assert answer.body["retry"] == "new_key"
+    assert "credentials" in answer.body["message"]
+    [last] = [e for e in store.events("shop", record.id) if e.kind == "provider_answer"]
+    assert last.detail is not None and last.detail["code"] == "provider_auth_failed"

@@ -1,0 +1,380 @@
+"""A storage failure is never "nothing happened": lost COMMIT answers and outcomes not recorded.
+
+PostgreSQL is reached through a loopback TCP proxy that can forward a COMMIT, wait for the
+server's answer (the commit is then durable), drop that answer and cut the connection, or
+refuse every connection (the database "goes down"). SQLite and PostgreSQL alike also get a
+statement-level fault from a trigger while the provider's answer is being recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import selectors
+import socket
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from conftest import FAST_TIMEOUT, RecordingSleep, age, make_due
+from sqlalchemy.engine import Connection
+
+from orchestrator.core import State
+from orchestrator.db import run_in_transaction
+from orchestrator.errors import (
+    CommitUncertain,
+    OperationInProgress,
+    OutcomeNotRecorded,
+    StorageError,
+)
+from orchestrator.executor import Executor
+from orchestrator.http import http_answer
+from orchestrator.operations import default_registry
+from orchestrator.outcome import Outcome
+from orchestrator.provider import Answer, SubmitRequest
+from orchestrator.reconciler import Reconciler, ReconcilerPolicy
+from orchestrator.store import Store
+from providers.sandbox import SandboxProvider, SandboxServer
+
+PAYMENT = {"amount": 1500, "currency": "EUR", "customer": "cus_9"}
+
+
+class PgProxy:
+    """Forwards bytes between clients and PostgreSQL on 127.0.0.1; faults on demand."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._target = (host, port)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self.port: int = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._drop_commit_ack = False
+        self._down = False
+        self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        self._stop = threading.Event()
+        self.commit_acks_dropped = 0
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def url(self, db_url: str) -> str:
+        parsed = sa.make_url(db_url).set(host="127.0.0.1", port=self.port)
+        return parsed.render_as_string(hide_password=False)
+
+    def drop_next_commit_ack(self) -> None:
+        """The next COMMIT reaches the server; its answer never reaches the client."""
+        with self._lock:
+            self._drop_commit_ack = True
+
+    def go_down(self) -> None:
+        """Cut every connection and refuse new ones, as a dead server would."""
+        with self._lock:
+            self._down = True
+            pairs, self._pairs = self._pairs, []
+        for pair in pairs:
+            _close(*pair)
+
+    def heal(self) -> None:
+        with self._lock:
+            self._down = False
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._listener.close()
+        self.go_down()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            with self._lock:
+                down = self._down
+            if down:
+                _close(client)
+                continue
+            server = socket.create_connection(self._target, timeout=5)
+            with self._lock:
+                self._pairs.append((client, server))
+            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
+
+    def _pump(self, client: socket.socket, server: socket.socket) -> None:
+        awaiting_ack = False
+        with selectors.DefaultSelector() as sel:
+            sel.register(client, selectors.EVENT_READ)
+            sel.register(server, selectors.EVENT_READ)
+            while not self._stop.is_set():
+                for key, _ in sel.select(timeout=0.2):
+                    sock = key.fileobj
+                    try:
+                        data = sock.recv(65536)  # type: ignore[union-attr]
+                    except OSError:
+                        data = b""
+                    if not data:
+                        _close(client, server)
+                        return
+                    if sock is client:
+                        with self._lock:
+                            if self._drop_commit_ack and b"COMMIT\x00" in data:
+                                self._drop_commit_ack = False
+                                awaiting_ack = True
+                        _send(server, data)
+                    elif awaiting_ack:
+                        # The server answered the COMMIT: it is durable. Drop the answer, cut.
+                        with self._lock:
+                            self.commit_acks_dropped += 1
+                        _close(client, server)
+                        return
+                    else:
+                        _send(client, data)
+
+
+def _send(sock: socket.socket, data: bytes) -> None:
+    with contextlib.suppress(OSError):  # the other side is gone; its recv ends the pump
+        sock.sendall(data)
+
+
+def _close(*socks: socket.socket) -> None:
+    for s in socks:
+        with contextlib.suppress(OSError):  # already shut down by the peer
+            s.shutdown(socket.SHUT_RDWR)
+        s.close()
+
+
+@pytest.fixture
+def pg_proxy(postgres_url: str) -> Iterator[PgProxy]:
+    url = sa.make_url(postgres_url)
+    proxy = PgProxy(url.host or "127.0.0.1", url.port or 5432)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+@pytest.fixture
+def proxied_store(pg_proxy: PgProxy, postgres_url: str) -> Iterator[Store]:
+    store = Store.from_url(pg_proxy.url(postgres_url), pool_size=2, max_overflow=0)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def executor_for(store: Store, provider: SandboxProvider) -> Executor:
+    return Executor(
+        store=store,
+        providers=[provider],
+        registry=default_registry("sandbox"),
+        lease=timedelta(seconds=30),
+        sleep=RecordingSleep(),
+        owner="test-executor",
+    )
+
+
+def pay(executor: Executor, key: str) -> Outcome:
+    return executor.execute(
+        tenant_id="shop", operation="payment.create", idempotency_key=key, request=PAYMENT
+    )
+
+
+def reconcile(store: Store, provider: SandboxProvider) -> None:
+    policy = ReconcilerPolicy(lease=timedelta(seconds=30))
+    Reconciler(store=store, providers=[provider], policy=policy, owner="test-rec").reconcile_once()
+
+
+def assert_same_key_answer(err: OutcomeNotRecorded) -> None:
+    answer = http_answer(err)
+    assert answer.status == 503
+    assert int(answer.headers["Retry-After"]) >= 1
+    assert answer.body["retry"] == "same_key"
+    assert answer.body["type"] == err.problem_type
+    assert answer.headers["Payorch-Operation-Id"] == err.operation_id
+    assert "new key" not in answer.body["message"].replace("never with a new one", "")
+
+
+def test_a_lost_commit_answer_on_the_claim_is_never_nothing_happened(
+    pg_proxy: PgProxy,
+    proxied_store: Store,
+    postgres_url: str,
+    sandbox: SandboxServer,
+    sandbox_provider: SandboxProvider,
+) -> None:
+    ex = executor_for(proxied_store, sandbox_provider)
+    proxied_store.db_time()  # a pooled connection, past its start-up, before the fault
+    pg_proxy.drop_next_commit_ack()
+    with pytest.raises(CommitUncertain) as info:
+        pay(ex, "lost-ack")
+    assert pg_proxy.commit_acks_dropped == 1
+    assert_same_key_answer(info.value)
+
+    # The claim did commit: the operation exists, marked possibly sent, nothing sent yet.
+    direct = Store.from_url(postgres_url)
+    try:
+        stored = direct.get_by_namespace("shop", "payment.create", "lost-ack")
+        assert stored.id == info.value.operation_id
+        assert (stored.state, stored.possibly_sent) == (State.IN_PROGRESS, True)
+        assert sandbox.ledger() == []
+
+        # The same key again (the pool reconnects through the healed proxy): the operation as
+        # it stands, never a second claim.
+        with pytest.raises(OperationInProgress) as busy:
+            pay(ex, "lost-ack")
+        assert busy.value.operation_id == stored.id
+
+        # The reconciler finishes it with the same downstream key; the key then replays.
+        make_due(direct, stored.id)
+        age(direct, stored.id, timedelta(minutes=5))  # past the not-found grace
+        reconcile(direct, sandbox_provider)
+        again = pay(ex, "lost-ack")
+        assert (again.state, again.replayed, again.operation_id) == (
+            State.SUCCEEDED,
+            True,
+            stored.id,
+        )
+        assert len(sandbox.ledger()) == 1
+    finally:
+        direct.close()
+
+
+class _AfterSubmit(SandboxProvider):
+    """The provider commits; then the database fails before we record its answer."""
+
+    def __init__(self, fault: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._fault = fault
+
+    def submit(self, request: SubmitRequest) -> Answer:
+        answer = super().submit(request)
+        self._fault()
+        return answer
+
+
+@pytest.mark.parametrize("fault", ["down", "lost_commit_answer"])
+def test_database_lost_after_the_provider_committed(
+    pg_proxy: PgProxy,
+    proxied_store: Store,
+    postgres_url: str,
+    sandbox: SandboxServer,
+    fault: str,
+) -> None:
+    inject = pg_proxy.go_down if fault == "down" else pg_proxy.drop_next_commit_ack
+    with _AfterSubmit(inject, base_url=sandbox.url, timeout=FAST_TIMEOUT) as provider:
+        ex = executor_for(proxied_store, provider)
+        with pytest.raises(OutcomeNotRecorded) as info:
+            pay(ex, f"after-{fault}")
+        assert_same_key_answer(info.value)
+        assert len(sandbox.ledger()) == 1
+        pg_proxy.heal()
+
+        direct = Store.from_url(postgres_url)
+        try:
+            op_id = info.value.operation_id
+            assert op_id is not None
+            record = direct.get("shop", op_id)
+            if fault == "down":  # nothing recorded: the reconciler asks the provider
+                assert record.state is State.IN_PROGRESS
+                make_due(direct, op_id)
+                reconcile(direct, provider)
+            else:  # the outcome's COMMIT landed; only its answer was lost
+                assert record.state is State.SUCCEEDED
+            with SandboxProvider(base_url=sandbox.url, timeout=FAST_TIMEOUT) as plain:
+                again = pay(executor_for(proxied_store, plain), f"after-{fault}")
+            assert (again.state, again.replayed, again.operation_id) == (
+                State.SUCCEEDED,
+                True,
+                op_id,
+            )
+            assert len(sandbox.ledger()) == 1
+        finally:
+            direct.close()
+
+
+def _install_fault(store: Store) -> None:
+    """Every UPDATE of an operation fails from now on (a statement-level storage fault)."""
+    with store.engine.begin() as conn:
+        if store.is_postgres:
+            conn.exec_driver_sql(
+                "CREATE OR REPLACE FUNCTION payorch_test_fault() RETURNS trigger "
+                "LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'injected storage fault'; END $$"
+            )
+            conn.exec_driver_sql(
+                "CREATE TRIGGER payorch_test_fault BEFORE UPDATE ON payorch_operations "
+                "FOR EACH ROW EXECUTE FUNCTION payorch_test_fault()"
+            )
+        else:
+            conn.exec_driver_sql(
+                "CREATE TRIGGER payorch_test_fault BEFORE UPDATE ON payorch_operations "
+                "BEGIN SELECT RAISE(ABORT, 'injected storage fault'); END"
+            )
+
+
+def _remove_fault(store: Store) -> None:
+    with store.engine.begin() as conn:
+        if store.is_postgres:
+            conn.exec_driver_sql("DROP TRIGGER IF EXISTS payorch_test_fault ON payorch_operations")
+            conn.exec_driver_sql("DROP FUNCTION IF EXISTS payorch_test_fault()")
+        else:
+            conn.exec_driver_sql("DROP TRIGGER IF EXISTS payorch_test_fault")
+
+
+def test_recording_the_outcome_fails_after_the_provider_committed(
+    store: Store, sandbox: SandboxServer
+) -> None:
+    with _AfterSubmit(
+        lambda: _install_fault(store), base_url=sandbox.url, timeout=FAST_TIMEOUT
+    ) as provider:
+        ex = executor_for(store, provider)
+        try:
+            with pytest.raises(OutcomeNotRecorded) as info:
+                pay(ex, "unrecorded")
+        finally:
+            _remove_fault(store)
+        assert not isinstance(info.value, CommitUncertain)  # refused before COMMIT, yet unknown
+        assert_same_key_answer(info.value)
+        assert len(sandbox.ledger()) == 1
+        op_id = info.value.operation_id
+        assert op_id is not None
+        assert store.get("shop", op_id).state is State.IN_PROGRESS
+
+        with pytest.raises(OperationInProgress):  # the lease still runs: same key, later
+            pay(ex, "unrecorded")
+        make_due(store, op_id)
+        reconcile(store, provider)
+        settled = store.get("shop", op_id)
+        assert (settled.state, settled.resolution) == (State.SUCCEEDED, "status_query")
+        assert len(sandbox.ledger()) == 1
+
+
+def test_a_commit_the_server_refuses_is_not_uncertain(postgres_url: str) -> None:
+    # A deferred constraint fails at COMMIT with a SQLSTATE: the server rolled it back.
+    store = Store.from_url(postgres_url)
+
+    def txn(conn: Connection) -> None:
+        conn.exec_driver_sql(
+            "CREATE TEMP TABLE payorch_test_deferred (k int UNIQUE DEFERRABLE INITIALLY DEFERRED)"
+        )
+        conn.exec_driver_sql("INSERT INTO payorch_test_deferred VALUES (1), (1)")
+
+    try:
+        with pytest.raises(StorageError) as info:
+            run_in_transaction(store.engine, txn)
+        assert not isinstance(info.value, OutcomeNotRecorded)
+    finally:
+        store.close()
+
+
+def test_sqlite_commits_are_synced_in_full(tmp_path: Any, sqlite_template: Any) -> None:
+    import shutil
+
+    target = tmp_path / "durable.db"
+    shutil.copyfile(sqlite_template, target)
+    store = Store.from_url(f"sqlite:///{target}")
+    try:
+        with store.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA synchronous").scalar_one() == 2  # FULL
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar_one() == "wal"
+    finally:
+        store.close()

@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install lint test demo bench clean
+.PHONY: install typecheck-tree lint test demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +15,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-lint: install
+# mypy cannot follow the editable install's import hook, so it checks a link tree laid out
+# as the installed package is (payorch/, payorch/providers, payorch/cli).
+typecheck-tree:
+	rm -rf .typecheck && mkdir -p .typecheck/payorch
+	for f in orchestrator/*; do ln -s ../../$$f .typecheck/payorch/; done
+	ln -s ../../providers .typecheck/payorch/providers
+	ln -s ../../cli .typecheck/payorch/cli
+
+lint: install typecheck-tree
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
@@ -30,4 +38,4 @@ bench: install
 	$(PY) benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache payorch.db payorch-demo.db
+	rm -rf $(VENV) .typecheck build dist .pytest_cache .mypy_cache .ruff_cache payorch.db payorch-demo.db

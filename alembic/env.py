@@ -1,4 +1,9 @@
-"""Alembic environment: one URL, online migrations, one transaction per migration."""
+"""Alembic environment of payorch's own migrations (``payorch db upgrade``).
+
+payorch keeps its revision in its own version table, ``payorch_alembic_version``, so that it
+can live in a database whose host application runs Alembic too. On PostgreSQL the tables go
+to ``PAYORCH_DB_SCHEMA`` (default ``public``): the engine's ``search_path`` names it.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,10 @@ import os
 from logging.config import fileConfig
 
 from alembic import context
-from sqlalchemy import create_engine, pool
+from sqlalchemy import pool
+
+from payorch.db import create_engine
+from payorch.migrate import VERSION_TABLE, ensure_schema
 
 config = context.config
 if config.config_file_name is not None and config.attributes.get("configure_logging", True):
@@ -26,20 +34,26 @@ def _url() -> str:
 def run_migrations_online() -> None:
     connection = config.attributes.get("connection")
     if connection is not None:
-        context.configure(connection=connection, render_as_batch=True)
+        context.configure(connection=connection, render_as_batch=True, version_table=VERSION_TABLE)
         with context.begin_transaction():
             context.run_migrations()
         return
     engine = create_engine(_url(), poolclass=pool.NullPool)
+    ensure_schema(engine)
     with engine.connect() as conn:
-        context.configure(connection=conn, render_as_batch=True, transaction_per_migration=True)
+        context.configure(
+            connection=conn,
+            render_as_batch=True,
+            transaction_per_migration=True,
+            version_table=VERSION_TABLE,
+        )
         with context.begin_transaction():
             context.run_migrations()
     engine.dispose()
 
 
 if context.is_offline_mode():
-    context.configure(url=_url(), literal_binds=True)
+    context.configure(url=_url(), literal_binds=True, version_table=VERSION_TABLE)
     with context.begin_transaction():
         context.run_migrations()
 else:

@@ -19,8 +19,8 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
-from orchestrator import migrate
-from orchestrator.db import normalise_url
+from payorch import migrate
+from payorch.db import normalise_url
 
 REPO = Path(__file__).resolve().parent.parent
 ENV_URL = "PAYORCH_BENCH_DATABASE_URL"

@@ -20,11 +20,11 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Json
 
-from orchestrator.core import State
-from orchestrator.errors import WebhookSignatureInvalid
-from orchestrator.executor import Executor
-from orchestrator.provider import Answer, AnswerKind, StatusQuery, SubmitRequest, WebhookEvent
-from orchestrator.store import new_id
+from payorch.core import State
+from payorch.errors import WebhookSignatureInvalid
+from payorch.executor import Executor
+from payorch.provider import Answer, AnswerKind, StatusQuery, SubmitRequest, WebhookEvent
+from payorch.store import new_id
 
 OPERATION = "payment.create"
 REQUEST: Mapping[str, Any] = {

@@ -35,10 +35,10 @@ import bench_execute as bx
 import bench_scan
 from report import Options, Report, print_report
 
-from orchestrator import migrate
-from orchestrator.executor import Executor
-from orchestrator.operations import default_registry
-from orchestrator.store import Store
+from payorch import migrate
+from payorch.executor import Executor
+from payorch.operations import default_registry
+from payorch.store import Store
 
 TENANT = "bench-shop"
 DEFAULT_SIZES = "10000,100000,300000"
@@ -104,7 +104,7 @@ def bench_postgres(db: bench_db.Database, opts: Options, report: Report, say: Sa
 
 
 def bench_sandbox(store: Store, instant: Executor, opts: Options, report: Report, say: Say) -> None:
-    from providers.sandbox import SandboxProvider, SandboxServer
+    from payorch.providers.sandbox import SandboxProvider, SandboxServer
 
     with (
         SandboxServer() as server,

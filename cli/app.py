@@ -12,12 +12,9 @@ from collections.abc import Sequence
 from typing import Annotated, Any, NoReturn
 
 import typer
-from sqlalchemy import exc as sa_exc
 from typer.core import TyperGroup
 
-from orchestrator import migrate
-from orchestrator.db import map_db_error
-from orchestrator.errors import PayorchError
+from payorch.errors import PayorchError
 
 from .keys import keys_app
 from .ops import ops_app
@@ -49,8 +46,14 @@ class _Group(TyperGroup):
         except PayorchError as exc:
             _one_line(exc.message)
             raise typer.Exit(1) from None
-        except sa_exc.SQLAlchemyError as exc:
-            # Reads that bypass run_in_transaction raise SQLAlchemy's errors unmapped.
+        except Exception as exc:
+            # Reads that bypass run_in_transaction raise SQLAlchemy's errors unmapped. Looked
+            # up lazily: a command that never touched SQLAlchemy has none to raise.
+            sa_exc = sys.modules.get("sqlalchemy.exc")
+            if sa_exc is None or not isinstance(exc, sa_exc.SQLAlchemyError):
+                raise
+            from payorch.db import map_db_error
+
             _one_line(map_db_error(exc).message)
             raise typer.Exit(1) from None
 
@@ -100,6 +103,8 @@ app.command("stats")(stats_cmd)
 @db_app.command("upgrade")
 def db_upgrade(database_url_: DatabaseUrl = None, revision: str = "head") -> None:
     """Apply the migrations up to REVISION (default: head)."""
+    from payorch import migrate
+
     url = database_url(database_url_)
     migrate.upgrade(url, revision)
     out().print(f"database at revision {migrate.current_revision(url)}")
@@ -108,6 +113,8 @@ def db_upgrade(database_url_: DatabaseUrl = None, revision: str = "head") -> Non
 @db_app.command("current")
 def db_current(database_url_: DatabaseUrl = None) -> None:
     """Print the database's migration revision and the code's head."""
+    from payorch import migrate
+
     url = database_url(database_url_)
     current = migrate.current_revision(url)
     head = migrate.head_revision()

@@ -26,17 +26,17 @@ import sqlalchemy as sa
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator import migrate
-from orchestrator.core import State
-from orchestrator.errors import IdempotencyKeyReused, OperationInProgress
-from orchestrator.executor import Executor, RetryPolicy
-from orchestrator.operations import default_registry
-from orchestrator.outcome import Outcome
-from orchestrator.reconciler import Reconciler, ReconcilerPolicy
-from orchestrator.store import Store
-from orchestrator.tables import events, operations
-from orchestrator.webhooks import WebhookHandler, WebhookStatus
-from providers.sandbox import SandboxProvider, SandboxServer
+from payorch import migrate
+from payorch.core import State
+from payorch.errors import IdempotencyKeyReused, OperationInProgress
+from payorch.executor import Executor, RetryPolicy
+from payorch.operations import default_registry
+from payorch.outcome import Outcome
+from payorch.providers.sandbox import SandboxProvider, SandboxServer
+from payorch.reconciler import Reconciler, ReconcilerPolicy
+from payorch.store import Store
+from payorch.tables import events, operations
+from payorch.webhooks import WebhookHandler, WebhookStatus
 
 __all__ = ["run_demo"]
 

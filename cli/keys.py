@@ -6,8 +6,6 @@ from typing import Annotated
 
 import typer
 
-from orchestrator.retention import reap
-
 from . import render
 from .runtime import DatabaseUrl, JsonFlag, open_store, out
 
@@ -33,6 +31,8 @@ def reap_cmd(
     A later request with a reaped key gets IdempotencyKeyExpired (HTTP 410); nothing runs.
     """
     with open_store(database_url) as store:
+        from payorch.retention import reap
+
         report = reap(store, limit=limit, dry_run=dry_run, batch_size=batch, tenant_id=tenant)
     if json_:
         render.print_json(report.to_dict())

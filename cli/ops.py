@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import enum
 from datetime import datetime, timedelta
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.text import Text
 
-from orchestrator import operator, queries
-from orchestrator.core import State
-from orchestrator.errors import InvalidRequest
-from orchestrator.records import OperationRecord
-from orchestrator.store import Store
+from payorch.core import State
+from payorch.errors import InvalidRequest
 
 from . import render
+from .lazy import lazy_module
 from .runtime import (
     DatabaseUrl,
     JsonFlag,
@@ -28,7 +26,17 @@ from .runtime import (
     settings,
 )
 
+if TYPE_CHECKING:
+    from payorch import operator, queries
+    from payorch.records import OperationRecord
+    from payorch.store import Store
+else:
+    operator = lazy_module("payorch.operator")
+    queries = lazy_module("payorch.queries")
+
 __all__ = ["ops_app"]
+
+MAX_PAGE = 1000  # payorch.queries.MAX_PAGE, spelled out so that --help imports nothing heavy
 
 ops_app = typer.Typer(help="Find, understand and resolve payment operations.", no_args_is_help=True)
 
@@ -83,7 +91,7 @@ def list_cmd(
         typer.Option(help="The provider's id for the effect (e.g. a pi_… from its dashboard)."),
     ] = None,
     key: Annotated[str | None, typer.Option(help="The client's idempotency key.")] = None,
-    limit: Annotated[int, typer.Option(min=1, max=queries.MAX_PAGE, help="Page size.")] = 50,
+    limit: Annotated[int, typer.Option(min=1, max=MAX_PAGE, help="Page size.")] = 50,
     after: Annotated[
         str | None,
         typer.Option(callback=_cursor, help="Continue after this cursor (printed with a page)."),

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.text import Text
 
-from orchestrator.reconciler import ReconcileReport
-
 from . import render
 from .runtime import DatabaseUrl, JsonFlag, err, open_store, out, reconciler, settings
+
+if TYPE_CHECKING:
+    from payorch.reconciler import ReconcileReport
 
 __all__ = ["reconcile_app"]
 
@@ -67,7 +68,7 @@ def run_cmd(
     database_url: DatabaseUrl = None,
 ) -> None:
     """Run the reconciler until SIGTERM/SIGINT; the pass in flight finishes first."""
-    from orchestrator.daemon import ReconcilerDaemon
+    from payorch.daemon import ReconcilerDaemon
 
     config = settings()
     seconds = interval or config.reconcile_interval_seconds

@@ -12,17 +12,19 @@ import json
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.errors import CorruptRecord
-from orchestrator.queries import Page, Stats
-from orchestrator.records import EventRecord, OperationRecord
-from orchestrator.retention import ReapReport
+from payorch.errors import CorruptRecord
+
+if TYPE_CHECKING:
+    from payorch.queries import Page, Stats
+    from payorch.records import EventRecord, OperationRecord
+    from payorch.retention import ReapReport
 
 __all__ = [
     "event_rows",

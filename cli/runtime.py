@@ -9,18 +9,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import pydantic
 import typer
 from rich.console import Console
 
-from orchestrator.db import normalise_url
-from orchestrator.errors import ConfigurationError, DatabaseUnavailable
-from orchestrator.provider import Provider
-from orchestrator.reconciler import Reconciler, ReconcilerPolicy
-from orchestrator.settings import Settings
-from orchestrator.store import Store
+from payorch.errors import ConfigurationError, DatabaseUnavailable
+
+if TYPE_CHECKING:
+    from payorch.provider import Provider
+    from payorch.reconciler import Reconciler
+    from payorch.settings import Settings
+    from payorch.store import Store
 
 __all__ = [
     "DatabaseUrl",
@@ -62,6 +62,10 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of a 
 
 
 def settings() -> Settings:
+    import pydantic
+
+    from payorch.settings import Settings
+
     try:
         return Settings()
     except pydantic.ValidationError as exc:
@@ -77,6 +81,9 @@ def database_url(value: str | None) -> str:
 @contextmanager
 def open_store(url: str | None) -> Iterator[Store]:
     """A store on an existing database: a missing SQLite file is refused, not created."""
+    from payorch.db import normalise_url
+    from payorch.store import Store
+
     resolved = database_url(url)
     parsed = normalise_url(resolved)
     if parsed.get_backend_name() == "sqlite" and parsed.database is not None:
@@ -132,13 +139,13 @@ def default_actor() -> str:
 
 def build_providers(config: Settings) -> list[Provider]:
     """The sandbox adapter always; Stripe when an API key is configured."""
-    from providers.sandbox import SandboxProvider
+    from payorch.providers.sandbox import SandboxProvider
 
     providers: list[Provider] = [
         SandboxProvider(base_url=config.sandbox_url, webhook_secret=config.sandbox_webhook_secret)
     ]
     if config.stripe_api_key:
-        from providers.stripe import StripeProvider
+        from payorch.providers.stripe import StripeProvider
 
         providers.append(
             StripeProvider(
@@ -153,6 +160,8 @@ def reconciler(
     store: Store, config: Settings, *, owner: str | None = None, batch: int | None = None
 ) -> Iterator[Reconciler]:
     """A reconciler configured from ``config``; its adapters' HTTP clients close on exit."""
+    from payorch.reconciler import Reconciler, ReconcilerPolicy
+
     policy = ReconcilerPolicy(
         lease=timedelta(seconds=config.lease_seconds),
         batch_size=batch or config.reconcile_batch_size,

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from orchestrator.errors import ConfigurationError
+from payorch.errors import ConfigurationError
 
 from .runtime import settings
 
@@ -23,7 +23,7 @@ def serve_cmd(
     seed: Annotated[int, typer.Option(help="Seed for random faults.")] = 0,
 ) -> None:
     """Serve the sandbox acquirer until Ctrl-C or SIGTERM (webhook secret printed at start)."""
-    from providers.sandbox import serve
+    from payorch.providers.sandbox import serve
 
     try:
         serve(host, port, seed=seed, webhook_secret=settings().sandbox_webhook_secret)

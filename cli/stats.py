@@ -7,8 +7,6 @@ from typing import Annotated
 
 import typer
 
-from orchestrator.queries import stats
-
 from . import render
 from .runtime import DatabaseUrl, JsonFlag, duration_option, open_store, out
 
@@ -32,6 +30,8 @@ def stats_cmd(
     if window <= timedelta(0):
         raise typer.BadParameter("the window must be positive", param_hint="'--window'")
     with open_store(database_url) as store:
+        from payorch.queries import stats
+
         result = stats(store, window=window, tenant_id=tenant)
     if json_:
         render.print_json(result.to_dict())

@@ -2,9 +2,9 @@
 
 from datetime import timedelta
 
-from orchestrator import Executor, PayorchError, Store, default_registry, http_answer
-from orchestrator.migrate import upgrade
-from providers.sandbox import SandboxProvider, SandboxServer
+from payorch import Executor, PayorchError, Store, default_registry, http_answer
+from payorch.migrate import upgrade
+from payorch.providers.sandbox import SandboxProvider, SandboxServer
 
 url = "sqlite:///payments.db"  # or postgresql+psycopg://user@host/db
 upgrade(url)  # same as `payorch db upgrade`

@@ -1,47 +1,116 @@
-"""payorch: one explainable effect per payment operation."""
+"""payorch: one explainable effect per payment operation.
 
-from .core import State
-from .daemon import ReconcilerDaemon
-from .errors import (
-    CommitUncertain,
-    ConfigurationError,
-    CorruptRecord,
-    DatabaseUnavailable,
-    IdempotencyError,
-    IdempotencyKeyExpired,
-    IdempotencyKeyReused,
-    InvalidIdempotencyKey,
-    InvalidMoney,
-    InvalidRequest,
-    InvalidTenant,
-    InvalidTransition,
-    OperationInProgress,
-    OperationNotFound,
-    OutcomeNotRecorded,
-    PayorchError,
-    ProviderError,
-    ProviderIdempotencyError,
-    RequestValidationFailed,
-    StaleVersion,
-    StateConflict,
-    StorageError,
-    UnencodableRequest,
-    UnknownOperationType,
-    UnknownProvider,
-    WebhookMalformed,
-    WebhookRejected,
-    WebhookSignatureInvalid,
-)
-from .executor import Executor, RetryPolicy
-from .http import HttpAnswer, http_answer
-from .operations import OperationType, Registry, default_registry
-from .outcome import Outcome
-from .provider import Answer, AnswerKind, Provider, StatusQuery, SubmitRequest, WebhookEvent
-from .reconciler import Reconciler, ReconcileReport, ReconcilerPolicy
-from .records import ClaimResult, EventRecord, NewOperation, OperationRecord
-from .settings import Settings
-from .store import Store
-from .webhooks import WebhookHandler, WebhookResult, WebhookStatus
+The names below are imported on first use (PEP 562), so that ``payorch --help`` and a
+service that needs only ``payorch.errors`` do not pay for SQLAlchemy, httpx and pydantic.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .core import State
+    from .daemon import ReconcilerDaemon
+    from .errors import (
+        CommitUncertain,
+        ConfigurationError,
+        CorruptRecord,
+        DatabaseUnavailable,
+        IdempotencyError,
+        IdempotencyKeyExpired,
+        IdempotencyKeyReused,
+        InvalidIdempotencyKey,
+        InvalidMoney,
+        InvalidRequest,
+        InvalidTenant,
+        InvalidTransition,
+        OperationInProgress,
+        OperationNotFound,
+        OutcomeNotRecorded,
+        PayorchError,
+        ProviderError,
+        ProviderIdempotencyError,
+        RequestValidationFailed,
+        StaleVersion,
+        StateConflict,
+        StorageError,
+        UnencodableRequest,
+        UnknownOperationType,
+        UnknownProvider,
+        WebhookMalformed,
+        WebhookRejected,
+        WebhookSignatureInvalid,
+    )
+    from .executor import Executor, RetryPolicy
+    from .http import HttpAnswer, http_answer
+    from .operations import OperationType, Registry, default_registry
+    from .outcome import Outcome
+    from .provider import Answer, AnswerKind, Provider, StatusQuery, SubmitRequest, WebhookEvent
+    from .reconciler import Reconciler, ReconcileReport, ReconcilerPolicy
+    from .records import ClaimResult, EventRecord, NewOperation, OperationRecord
+    from .settings import Settings
+    from .store import Store
+    from .webhooks import WebhookHandler, WebhookResult, WebhookStatus
+
+_EXPORTS: dict[str, str] = {
+    "Answer": "provider",
+    "AnswerKind": "provider",
+    "ClaimResult": "records",
+    "CommitUncertain": "errors",
+    "ConfigurationError": "errors",
+    "CorruptRecord": "errors",
+    "DatabaseUnavailable": "errors",
+    "EventRecord": "records",
+    "Executor": "executor",
+    "HttpAnswer": "http",
+    "IdempotencyError": "errors",
+    "IdempotencyKeyExpired": "errors",
+    "IdempotencyKeyReused": "errors",
+    "InvalidIdempotencyKey": "errors",
+    "InvalidMoney": "errors",
+    "InvalidRequest": "errors",
+    "InvalidTenant": "errors",
+    "InvalidTransition": "errors",
+    "NewOperation": "records",
+    "OperationInProgress": "errors",
+    "OperationNotFound": "errors",
+    "OperationRecord": "records",
+    "OperationType": "operations",
+    "Outcome": "outcome",
+    "OutcomeNotRecorded": "errors",
+    "PayorchError": "errors",
+    "Provider": "provider",
+    "ProviderError": "errors",
+    "ProviderIdempotencyError": "errors",
+    "ReconcileReport": "reconciler",
+    "Reconciler": "reconciler",
+    "ReconcilerDaemon": "daemon",
+    "ReconcilerPolicy": "reconciler",
+    "Registry": "operations",
+    "RequestValidationFailed": "errors",
+    "RetryPolicy": "executor",
+    "Settings": "settings",
+    "StaleVersion": "errors",
+    "State": "core",
+    "StateConflict": "errors",
+    "StatusQuery": "provider",
+    "StorageError": "errors",
+    "Store": "store",
+    "SubmitRequest": "provider",
+    "UnencodableRequest": "errors",
+    "UnknownOperationType": "errors",
+    "UnknownProvider": "errors",
+    "WebhookEvent": "provider",
+    "WebhookHandler": "webhooks",
+    "WebhookMalformed": "errors",
+    "WebhookRejected": "errors",
+    "WebhookResult": "webhooks",
+    "WebhookSignatureInvalid": "errors",
+    "WebhookStatus": "webhooks",
+    "default_registry": "operations",
+    "http_answer": "http",
+}
 
 __all__ = [
     "Answer",
@@ -101,3 +170,16 @@ __all__ = [
     "default_registry",
     "http_answer",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'payorch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

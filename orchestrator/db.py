@@ -7,9 +7,12 @@ that raises without the server saying it rolled back may have committed
 
 from __future__ import annotations
 
+import os
 import random
+import re
 import sqlite3
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -17,7 +20,13 @@ import sqlalchemy as sa
 from sqlalchemy import event, exc
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 
-from .errors import CommitUncertain, DatabaseUnavailable, InvalidRequest, StorageError
+from .errors import (
+    CommitUncertain,
+    ConfigurationError,
+    DatabaseUnavailable,
+    InvalidRequest,
+    StorageError,
+)
 
 __all__ = [
     "create_engine",
@@ -25,6 +34,7 @@ __all__ = [
     "normalise_url",
     "read_in_transaction",
     "run_in_transaction",
+    "schema_of",
 ]
 
 T = TypeVar("T")
@@ -51,22 +61,57 @@ def normalise_url(url: str | URL) -> URL:
     return parsed
 
 
-def create_engine(url: str | URL, **kwargs: Any) -> Engine:
-    """An engine configured for payorch's concurrency on PostgreSQL or SQLite."""
+_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+_SCHEMAS: weakref.WeakKeyDictionary[Engine, str] = weakref.WeakKeyDictionary()
+
+
+def _schema(schema: str | None) -> str:
+    # PAYORCH_DB_SCHEMA is read here, not through Settings: an engine must not fail on an
+    # unrelated setting.
+    name = schema if schema is not None else os.environ.get("PAYORCH_DB_SCHEMA") or "public"
+    if not _SCHEMA_NAME.fullmatch(name):
+        raise ConfigurationError(
+            f"PostgreSQL schema {name!r}: use lower-case letters, digits and _ (max 63)"
+        )
+    return name
+
+
+def schema_of(engine: Engine) -> str | None:
+    """The PostgreSQL schema payorch's tables live in (None on SQLite)."""
+    return _SCHEMAS.get(engine)
+
+
+def create_engine(url: str | URL, *, schema: str | None = None, **kwargs: Any) -> Engine:
+    """An engine configured for payorch's concurrency on PostgreSQL or SQLite.
+
+    On PostgreSQL, payorch's tables live in ``schema`` (default ``PAYORCH_DB_SCHEMA``, else
+    ``public``): the connections' ``search_path`` names it, set at connect time so no
+    statement pays for it.
+    """
     parsed = normalise_url(url)
+    pooled = "poolclass" not in kwargs  # sizes apply to the default QueuePool only
     if parsed.get_backend_name() == "sqlite":
         kwargs.setdefault("connect_args", {"check_same_thread": False, "timeout": 30})
-        kwargs.setdefault("pool_size", 8)
-        kwargs.setdefault("max_overflow", 32)
-        kwargs.setdefault("pool_timeout", 120)
+        if pooled:
+            kwargs.setdefault("pool_size", 8)
+            kwargs.setdefault("max_overflow", 32)
+            kwargs.setdefault("pool_timeout", 120)
         engine = sa.create_engine(parsed, **kwargs)
         _configure_sqlite(engine)
         return engine
-    kwargs.setdefault("pool_size", 10)
-    kwargs.setdefault("max_overflow", 20)  # 30 connections: well under a default server's 100
-    kwargs.setdefault("pool_timeout", 60)
+    if pooled:
+        kwargs.setdefault("pool_size", 10)
+        kwargs.setdefault("max_overflow", 20)  # 30 connections: well under a server's 100
+        kwargs.setdefault("pool_timeout", 60)
     kwargs.setdefault("pool_pre_ping", True)
-    return sa.create_engine(parsed, **kwargs)
+    name = _schema(schema)
+    if name != "public":
+        connect_args = dict(kwargs.pop("connect_args", {}))
+        connect_args["options"] = f"{connect_args.get('options', '')} -c search_path={name}"
+        kwargs["connect_args"] = connect_args
+    engine = sa.create_engine(parsed, **kwargs)
+    _SCHEMAS[engine] = name
+    return engine
 
 
 def _configure_sqlite(engine: Engine) -> None:

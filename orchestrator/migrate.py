@@ -1,36 +1,64 @@
-"""Run the Alembic migrations programmatically (``payorch db upgrade|current``)."""
+"""Run payorch's Alembic migrations programmatically (``payorch db upgrade|current``).
+
+The migration scripts travel inside the package (``payorch/migrations`` in a wheel, the
+repository's ``alembic/`` folder in a checkout). payorch records its revision in its own
+table, ``payorch_alembic_version``, and its revisions carry the branch label ``payorch`` and
+ids prefixed ``payorch_``, so it never reads or writes a host application's
+``alembic_version``. A host that prefers one Alembic run for everything adds
+:func:`versions_directory` to its own ``version_locations`` (see ``docs/embedding.md``).
+"""
 
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 
+import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
 from sqlalchemy import exc
-from sqlalchemy.engine import URL
+from sqlalchemy.engine import URL, Engine
 
-from .db import create_engine, map_db_error, normalise_url
+from .db import create_engine, map_db_error, normalise_url, schema_of
 from .errors import ConfigurationError, InvalidRequest
 
-__all__ = ["current_revision", "downgrade", "head_revision", "upgrade"]
+__all__ = [
+    "BRANCH",
+    "VERSION_TABLE",
+    "current_revision",
+    "downgrade",
+    "ensure_schema",
+    "head_revision",
+    "script_directory",
+    "upgrade",
+    "versions_directory",
+]
+
+VERSION_TABLE = "payorch_alembic_version"
+BRANCH = "payorch"
+_MARKER_TABLE = "payorch_operations"
 
 
-def _script_location() -> Path:
-    override = os.environ.get("PAYORCH_ALEMBIC_DIR")
-    path = Path(override) if override else Path(__file__).resolve().parent.parent / "alembic"
-    if not (path / "env.py").is_file():
-        raise ConfigurationError(f"alembic migrations not found at {path}")
-    return path
+def script_directory() -> Path:
+    """Where the migration environment lives: inside the package, or the checkout's folder."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "migrations", here.parent / "alembic"):
+        if (candidate / "env.py").is_file() and (candidate / "versions").is_dir():
+            return candidate
+    raise ConfigurationError(f"payorch's migrations are missing from {here} (a broken install?)")
+
+
+def versions_directory() -> Path:
+    """The revision scripts, for a host project's ``version_locations``."""
+    return script_directory() / "versions"
 
 
 def _config(url: str | URL) -> Config:
     cfg = Config(stdout=io.StringIO())
-    cfg.set_main_option("script_location", str(_script_location()))
+    cfg.set_main_option("script_location", str(script_directory()))
     # Percent signs in passwords would be read as interpolation by configparser.
     rendered = normalise_url(url).render_as_string(hide_password=False)
     cfg.set_main_option("sqlalchemy.url", rendered.replace("%", "%%"))
@@ -38,7 +66,74 @@ def _config(url: str | URL) -> Config:
     return cfg
 
 
-def upgrade(url: str | URL, revision: str = "head") -> None:
+def ensure_schema(engine: Engine) -> None:
+    """Create the PostgreSQL schema payorch's tables go to, if it is not there yet."""
+    schema = schema_of(engine)
+    if schema is None or schema == "public":
+        return
+    with engine.begin() as conn:
+        conn.execute(sa.text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
+
+
+def _inspect(url: str | URL) -> tuple[list[str], bool]:
+    """(payorch's stored revisions, whether payorch's tables exist)."""
+    engine = create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            inspector = sa.inspect(conn)
+            has_marker = inspector.has_table(_MARKER_TABLE)
+            has_version = inspector.has_table(VERSION_TABLE)
+            revisions = (
+                list(
+                    MigrationContext.configure(
+                        conn, opts={"version_table": VERSION_TABLE}
+                    ).get_current_heads()
+                )
+                if has_version
+                else []
+            )
+            return revisions, has_marker
+    except exc.SQLAlchemyError as err:
+        raise map_db_error(err) from err
+    finally:
+        engine.dispose()
+
+
+def _check_known(url: str | URL) -> list[str]:
+    """Refuse, in one line, a database payorch cannot safely migrate."""
+    if normalise_url(url).get_backend_name() == "sqlite" and not _sqlite_exists(url):
+        return []
+    revisions, has_marker = _inspect(url)
+    if has_marker and not revisions:
+        raise ConfigurationError(
+            f"payorch's tables exist but {VERSION_TABLE} records no revision: if your own "
+            "Alembic project runs payorch's migrations (`alembic upgrade heads`), upgrade "
+            "there instead of `payorch db upgrade`"
+        )
+    if len(revisions) > 1:
+        raise ConfigurationError(
+            f"{VERSION_TABLE} holds {len(revisions)} revisions ({', '.join(revisions)}); "
+            "payorch has one line of migrations: repair the table by hand"
+        )
+    known = {s.revision for s in ScriptDirectory(str(script_directory())).walk_revisions()}
+    unknown = [r for r in revisions if r not in known]
+    if unknown:
+        raise ConfigurationError(
+            f"database is at payorch revision {', '.join(unknown)}, which this version of "
+            "payorch does not know: install the payorch release that migrated it"
+        )
+    return revisions
+
+
+def _sqlite_exists(url: str | URL) -> bool:
+    return Path(normalise_url(url).database or "").exists()
+
+
+def upgrade(url: str | URL, revision: str = "heads") -> None:
+    """Apply payorch's migrations up to ``revision`` (default: the newest)."""
+    _check_known(url)
+    if revision == "head":
+        revision = "heads"
     try:
         command.upgrade(_config(url), revision)
     except CommandError as err:
@@ -48,6 +143,7 @@ def upgrade(url: str | URL, revision: str = "head") -> None:
 
 
 def downgrade(url: str | URL, revision: str = "base") -> None:
+    _check_known(url)
     try:
         command.downgrade(_config(url), revision)
     except CommandError as err:
@@ -57,19 +153,14 @@ def downgrade(url: str | URL, revision: str = "base") -> None:
 
 
 def head_revision() -> str | None:
-    script = ScriptDirectory(str(_script_location()))
-    return script.get_current_head()
+    script = ScriptDirectory(str(script_directory()))
+    try:
+        return script.get_current_head()
+    except CommandError as err:  # two heads in the package itself: a packaging bug
+        raise ConfigurationError(f"payorch's migrations are inconsistent: {err}") from None
 
 
 def current_revision(url: str | URL) -> str | None:
-    parsed = normalise_url(url)
-    if parsed.get_backend_name() == "sqlite" and not Path(parsed.database or "").exists():
-        return None  # asking must not create the file
-    engine = create_engine(parsed)
-    try:
-        with engine.connect() as conn:
-            return MigrationContext.configure(conn).get_current_revision()
-    except exc.SQLAlchemyError as err:
-        raise map_db_error(err) from err
-    finally:
-        engine.dispose()
+    """payorch's revision in this database (None: not set up yet)."""
+    revisions = _check_known(url)
+    return revisions[0] if revisions else None

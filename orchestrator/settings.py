@@ -14,6 +14,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PAYORCH_", extra="ignore")
 
     database_url: str = "sqlite:///payorch.db"
+    # PostgreSQL only: the schema payorch's tables (and its version table) live in.
+    db_schema: str = Field(default="public", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
     # The reconciler's lease must cover three provider calls (a lookup, a read and a
     # re-submission): 151 s with the Stripe adapter's default time-outs.
     lease_seconds: float = Field(default=180.0, gt=0)

@@ -14,8 +14,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-import psycopg
-
 from .core import State
 from .records import OperationRecord
 
@@ -70,6 +68,9 @@ class Listener:
                 event.set()
 
     def _run(self) -> None:
+        # Imported here: psycopg is the `postgres` extra, absent from a SQLite-only install.
+        import psycopg
+
         while not self._stop.is_set():
             try:
                 with psycopg.connect(self._dsn, autocommit=True, connect_timeout=10) as pg:

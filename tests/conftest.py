@@ -18,12 +18,12 @@ import pytest
 import sqlalchemy as sa
 from pgcluster import Cluster, ClusterUnavailable
 
-from orchestrator import migrate
-from orchestrator.executor import Executor
-from orchestrator.operations import default_registry
-from orchestrator.store import Store
-from orchestrator.tables import events, operations, webhook_inbox
-from providers.sandbox import SandboxProvider, SandboxServer
+from payorch import migrate
+from payorch.executor import Executor
+from payorch.operations import default_registry
+from payorch.providers.sandbox import SandboxProvider, SandboxServer
+from payorch.store import Store
+from payorch.tables import events, operations, webhook_inbox
 
 _PG_PROBLEM: list[str] = []
 REQUIRE_PG = os.environ.get("PAYORCH_REQUIRE_POSTGRES") == "1"

@@ -13,15 +13,15 @@ from typing import Any
 
 from conftest import FAST_TIMEOUT, RecordingSleep, age, make_due
 
-from orchestrator.core import State
-from orchestrator.executor import Executor
-from orchestrator.operations import default_registry
-from orchestrator.outcome import Decision
-from orchestrator.provider import Answer, StatusQuery, SubmitRequest
-from orchestrator.reconciler import Reconciler, ReconcilerPolicy
-from orchestrator.records import OperationRecord
-from orchestrator.store import Store
-from providers.sandbox import SandboxProvider, SandboxServer
+from payorch.core import State
+from payorch.executor import Executor
+from payorch.operations import default_registry
+from payorch.outcome import Decision
+from payorch.provider import Answer, StatusQuery, SubmitRequest
+from payorch.providers.sandbox import SandboxProvider, SandboxServer
+from payorch.reconciler import Reconciler, ReconcilerPolicy
+from payorch.records import OperationRecord
+from payorch.store import Store
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 

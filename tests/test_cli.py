@@ -17,17 +17,17 @@ import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner, Result
 
-from cli import render
-from cli.app import app
-from cli.runtime import parse_duration
-from orchestrator.core import State
-from orchestrator.operations import default_registry
-from orchestrator.provider import AnswerKind, SubmitRequest
-from orchestrator.queries import stats
-from orchestrator.records import OperationRecord
-from orchestrator.store import Store
-from orchestrator.tables import events, operations
-from providers.sandbox import SandboxProvider, SandboxServer
+from payorch.cli import render
+from payorch.cli.app import app
+from payorch.cli.runtime import parse_duration
+from payorch.core import State
+from payorch.operations import default_registry
+from payorch.provider import AnswerKind, SubmitRequest
+from payorch.providers.sandbox import SandboxProvider, SandboxServer
+from payorch.queries import stats
+from payorch.records import OperationRecord
+from payorch.store import Store
+from payorch.tables import events, operations
 
 LIVE = timedelta(minutes=5)
 REGISTRY = default_registry("sandbox")

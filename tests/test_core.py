@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from orchestrator.core import (
+from payorch.core import (
     MAX_JSON_INT,
     State,
     backoff_delay,
@@ -24,7 +24,7 @@ from orchestrator.core import (
     validate_operation_name,
     validate_tenant,
 )
-from orchestrator.errors import (
+from payorch.errors import (
     InvalidIdempotencyKey,
     InvalidMoney,
     InvalidRequest,
@@ -117,7 +117,7 @@ def test_fingerprint_changes_when_any_effect_field_changes(
 
 
 def test_fingerprint_of_registered_type_ignores_transport_fields() -> None:
-    from orchestrator.operations import default_registry
+    from payorch.operations import default_registry
 
     reg = default_registry("sandbox")
     base = {"amount": 1000, "currency": "EUR", "customer": "cus_1"}

@@ -15,16 +15,16 @@ import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner, Result
 
-from cli.app import app
-from orchestrator.core import State
-from orchestrator.errors import CorruptRecord, StorageError
-from orchestrator.executor import Executor
-from orchestrator.http import http_answer
-from orchestrator.operations import default_registry
-from orchestrator.reconciler import Reconciler, ReconcilerPolicy
-from orchestrator.records import EventRecord, OperationRecord
-from orchestrator.store import QUARANTINE_EVENT, Store
-from orchestrator.tables import db_now_plus, events, operations
+from payorch.cli.app import app
+from payorch.core import State
+from payorch.errors import CorruptRecord, StorageError
+from payorch.executor import Executor
+from payorch.http import http_answer
+from payorch.operations import default_registry
+from payorch.reconciler import Reconciler, ReconcilerPolicy
+from payorch.records import EventRecord, OperationRecord
+from payorch.store import QUARANTINE_EVENT, Store
+from payorch.tables import db_now_plus, events, operations
 
 REGISTRY = default_registry("sandbox")
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
@@ -239,7 +239,7 @@ def test_a_corrupt_event_is_a_typed_error(store: Store) -> None:
 
 
 def test_every_record_field_is_checked() -> None:
-    from orchestrator import records
+    from payorch import records
 
     assert list(records._OPERATION_COLUMNS) == list(OperationRecord.__dataclass_fields__)
     assert list(records._EVENT_COLUMNS) == list(EventRecord.__dataclass_fields__)

@@ -8,9 +8,9 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from orchestrator.db import create_engine, normalise_url, run_in_transaction
-from orchestrator.errors import DatabaseUnavailable, InvalidRequest, StorageError
-from orchestrator.store import Store
+from payorch.db import create_engine, normalise_url, run_in_transaction
+from payorch.errors import DatabaseUnavailable, InvalidRequest, StorageError
+from payorch.store import Store
 
 
 class _DriverError(Exception):

@@ -19,21 +19,21 @@ import httpx
 import pytest
 from conftest import FAST_TIMEOUT, RecordingSleep, make_due
 
-from orchestrator.core import State
-from orchestrator.errors import ConfigurationError
-from orchestrator.executor import Executor
-from orchestrator.operations import default_registry
-from orchestrator.provider import (
+from payorch.core import State
+from payorch.errors import ConfigurationError
+from payorch.executor import Executor
+from payorch.operations import default_registry
+from payorch.provider import (
     AnswerKind,
     DeadlineExceeded,
     answer_from_transport_error,
     call_budget,
     send_with_deadline,
 )
-from orchestrator.reconciler import Reconciler, ReconcilerPolicy
-from orchestrator.store import Store
-from providers.sandbox import Fault, SandboxProvider, SandboxServer
-from providers.stripe import StripeProvider
+from payorch.providers.sandbox import Fault, SandboxProvider, SandboxServer
+from payorch.providers.stripe import StripeProvider
+from payorch.reconciler import Reconciler, ReconcilerPolicy
+from payorch.store import Store
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 SHORT = timedelta(seconds=0.3)  # the call deadline under test

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from cli.demo import attention_reasons
-from orchestrator.executor import Executor
-from orchestrator.records import OperationRecord
-from orchestrator.store import Store
+from payorch.cli.demo import attention_reasons
+from payorch.executor import Executor
+from payorch.records import OperationRecord
+from payorch.store import Store
 
 PAYORCH = Path(sys.executable).parent / "payorch"
 

@@ -16,11 +16,11 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.errors import InvalidRequest, PayorchError
-from orchestrator.executor import Executor
-from orchestrator.outcome import Outcome
-from orchestrator.store import Store
-from orchestrator.tables import operations
+from payorch.errors import InvalidRequest, PayorchError
+from payorch.executor import Executor
+from payorch.outcome import Outcome
+from payorch.store import Store
+from payorch.tables import operations
 
 TENANT = "fuzz"
 

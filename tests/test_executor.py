@@ -14,19 +14,19 @@ import sqlalchemy as sa
 import workers
 from conftest import FAST_TIMEOUT, RecordingSleep
 
-from orchestrator.core import State
-from orchestrator.errors import (
+from payorch.core import State
+from payorch.errors import (
     ConfigurationError,
     IdempotencyKeyReused,
     RequestValidationFailed,
     UnknownProvider,
 )
-from orchestrator.executor import Executor, RetryPolicy
-from orchestrator.operations import default_registry
-from orchestrator.provider import Answer, SubmitRequest
-from orchestrator.store import Store
-from orchestrator.tables import operations
-from providers.sandbox import SandboxProvider, SandboxServer
+from payorch.executor import Executor, RetryPolicy
+from payorch.operations import default_registry
+from payorch.provider import Answer, SubmitRequest
+from payorch.providers.sandbox import SandboxProvider, SandboxServer
+from payorch.store import Store
+from payorch.tables import operations
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 MONEY = ("succeeded", "processing")

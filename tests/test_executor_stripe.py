@@ -8,11 +8,11 @@ import httpx
 import respx
 from conftest import RecordingSleep
 
-from orchestrator.core import State
-from orchestrator.executor import Executor
-from orchestrator.operations import default_registry
-from orchestrator.store import Store
-from providers.stripe import StripeProvider
+from payorch.core import State
+from payorch.executor import Executor
+from payorch.operations import default_registry
+from payorch.providers.stripe import StripeProvider
+from payorch.store import Store
 
 BASE = "https://api.stripe.test"
 INTENT = {
@@ -71,7 +71,7 @@ def test_rate_limited_then_created_with_one_key_for_every_attempt(store: Store) 
             )
             from conftest import make_due
 
-            from orchestrator.reconciler import Reconciler, ReconcilerPolicy
+            from payorch.reconciler import Reconciler, ReconcilerPolicy
 
             make_due(store, record.id)
             rec = Reconciler(

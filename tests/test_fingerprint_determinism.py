@@ -23,12 +23,12 @@ import sqlalchemy as sa
 from pydantic import BaseModel, Field
 from typing_extensions import TypedDict  # pydantic wants it before Python 3.12
 
-from orchestrator.errors import ConfigurationError, InvalidRequest, UnencodableRequest
-from orchestrator.executor import Executor
-from orchestrator.operations import OperationType, Registry
-from orchestrator.store import Store
-from orchestrator.tables import events, operations
-from providers.sandbox import SandboxServer
+from payorch.errors import ConfigurationError, InvalidRequest, UnencodableRequest
+from payorch.executor import Executor
+from payorch.operations import OperationType, Registry
+from payorch.providers.sandbox import SandboxServer
+from payorch.store import Store
+from payorch.tables import events, operations
 
 # Run in a fresh interpreter per hash seed. It registers a set-typed type (expected to be
 # refused), fingerprints ordinary effects (dicts, lists, nested models) and smuggles a set
@@ -38,8 +38,8 @@ _CHILD = textwrap.dedent(
     import json
     from typing import Any
     from pydantic import BaseModel
-    from orchestrator.errors import ConfigurationError, UnencodableRequest
-    from orchestrator.operations import OperationType, default_registry
+    from payorch.errors import ConfigurationError, UnencodableRequest
+    from payorch.operations import OperationType, default_registry
 
     class Tagged(BaseModel):
         amount: int

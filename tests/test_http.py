@@ -9,15 +9,15 @@ import pytest
 import sqlalchemy as sa
 from conftest import RecordingSleep, make_due
 
-from orchestrator import retention
-from orchestrator.errors import IdempotencyKeyExpired, IdempotencyKeyReused, OperationInProgress
-from orchestrator.executor import Executor
-from orchestrator.http import http_answer
-from orchestrator.operations import OperationType, PaymentCreate, default_registry
-from orchestrator.outcome import Outcome
-from orchestrator.store import Store
-from orchestrator.tables import operations
-from providers.sandbox import SandboxProvider, SandboxServer
+from payorch import retention
+from payorch.errors import IdempotencyKeyExpired, IdempotencyKeyReused, OperationInProgress
+from payorch.executor import Executor
+from payorch.http import http_answer
+from payorch.operations import OperationType, PaymentCreate, default_registry
+from payorch.outcome import Outcome
+from payorch.providers.sandbox import SandboxProvider, SandboxServer
+from payorch.store import Store
+from payorch.tables import operations
 
 PAYMENT = {"amount": 990, "currency": "EUR", "customer": "cus_3"}
 

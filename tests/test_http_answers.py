@@ -11,9 +11,9 @@ import respx
 import sqlalchemy as sa
 from conftest import RecordingSleep
 
-from orchestrator import errors
-from orchestrator.core import State
-from orchestrator.errors import (
+from payorch import errors
+from payorch.core import State
+from payorch.errors import (
     ConfigurationError,
     IdempotencyKeyReused,
     OutcomeNotRecorded,
@@ -22,15 +22,15 @@ from orchestrator.errors import (
     StorageError,
     UnknownProvider,
 )
-from orchestrator.executor import Executor
-from orchestrator.http import http_answer
-from orchestrator.operations import default_registry
-from orchestrator.outcome import Outcome
-from orchestrator.provider import AnswerKind, answer_from_http_status
-from orchestrator.store import Store
-from orchestrator.tables import operations
-from providers.sandbox import SandboxProvider, SandboxServer
-from providers.stripe import StripeProvider
+from payorch.executor import Executor
+from payorch.http import http_answer
+from payorch.operations import default_registry
+from payorch.outcome import Outcome
+from payorch.provider import AnswerKind, answer_from_http_status
+from payorch.providers.sandbox import SandboxProvider, SandboxServer
+from payorch.providers.stripe import StripeProvider
+from payorch.store import Store
+from payorch.tables import operations
 
 PAYMENT = {"amount": 990, "currency": "EUR", "customer": "cus_3"}
 STRIPE = "https://api.stripe.test"

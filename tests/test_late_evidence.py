@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 from conftest import RecordingSleep
 
-from orchestrator.core import State
-from orchestrator.executor import Executor
-from orchestrator.operations import default_registry
-from orchestrator.outcome import Outcome, contradicts, late_conflict
-from orchestrator.provider import Answer, AnswerKind, SubmitRequest
-from orchestrator.store import Store
-from providers.sandbox import SandboxProvider, SandboxServer
+from payorch.core import State
+from payorch.executor import Executor
+from payorch.operations import default_registry
+from payorch.outcome import Outcome, contradicts, late_conflict
+from payorch.provider import Answer, AnswerKind, SubmitRequest
+from payorch.providers.sandbox import SandboxProvider, SandboxServer
+from payorch.store import Store
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 MONEY = ("succeeded", "processing")

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from orchestrator import operator
-from orchestrator.core import State
-from orchestrator.errors import (
+from payorch import operator
+from payorch.core import State
+from payorch.errors import (
     InvalidRequest,
     InvalidTransition,
     OperationInProgress,
@@ -21,12 +21,12 @@ from orchestrator.errors import (
     StaleVersion,
     UnknownProvider,
 )
-from orchestrator.operations import default_registry
-from orchestrator.reconciler import Reconciler, ReconcilerPolicy
-from orchestrator.records import OperationRecord
-from orchestrator.store import Store
-from orchestrator.tables import events, operations
-from providers.sandbox import SandboxProvider
+from payorch.operations import default_registry
+from payorch.providers.sandbox import SandboxProvider
+from payorch.reconciler import Reconciler, ReconcilerPolicy
+from payorch.records import OperationRecord
+from payorch.store import Store
+from payorch.tables import events, operations
 
 LIVE = timedelta(minutes=5)
 REGISTRY = default_registry("sandbox")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import orchestrator
-from orchestrator import errors
+import payorch
+from payorch import errors
 
 EXPECTED = [
     "Answer",
@@ -66,10 +66,10 @@ EXPECTED = [
 
 
 def test_all_is_pinned_and_sorted() -> None:
-    assert orchestrator.__all__ == EXPECTED
-    assert sorted(orchestrator.__all__) == orchestrator.__all__
-    for name in orchestrator.__all__:
-        assert hasattr(orchestrator, name)
+    assert payorch.__all__ == EXPECTED
+    assert sorted(payorch.__all__) == payorch.__all__
+    for name in payorch.__all__:
+        assert hasattr(payorch, name)
 
 
 def test_every_error_derives_from_the_base_and_has_a_status() -> None:

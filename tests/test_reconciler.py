@@ -13,14 +13,14 @@ import sqlalchemy as sa
 import workers
 from conftest import FAST_TIMEOUT, RecordingSleep, age, make_due
 
-from orchestrator.core import State
-from orchestrator.daemon import ReconcilerDaemon
-from orchestrator.executor import Executor
-from orchestrator.operations import default_registry
-from orchestrator.reconciler import Reconciler, ReconcileReport, ReconcilerPolicy
-from orchestrator.store import Store
-from orchestrator.tables import events, operations
-from providers.sandbox import SandboxProvider, SandboxServer
+from payorch.core import State
+from payorch.daemon import ReconcilerDaemon
+from payorch.executor import Executor
+from payorch.operations import default_registry
+from payorch.providers.sandbox import SandboxProvider, SandboxServer
+from payorch.reconciler import Reconciler, ReconcileReport, ReconcilerPolicy
+from payorch.store import Store
+from payorch.tables import events, operations
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 MONEY = ("succeeded", "processing")

@@ -13,14 +13,14 @@ import httpx
 import respx
 from conftest import RecordingSleep, make_due
 
-from orchestrator.core import State
-from orchestrator.executor import Executor
-from orchestrator.operations import default_registry
-from orchestrator.provider import AnswerKind, StatusQuery, SubmitRequest
-from orchestrator.reconciler import Reconciler, ReconcilerPolicy
-from orchestrator.store import Store
-from providers.sandbox import SandboxProvider, SandboxServer
-from providers.stripe import StripeProvider
+from payorch.core import State
+from payorch.executor import Executor
+from payorch.operations import default_registry
+from payorch.provider import AnswerKind, StatusQuery, SubmitRequest
+from payorch.providers.sandbox import SandboxProvider, SandboxServer
+from payorch.providers.stripe import StripeProvider
+from payorch.reconciler import Reconciler, ReconcilerPolicy
+from payorch.store import Store
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 

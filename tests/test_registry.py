@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.errors import (
+from payorch.errors import (
     InvalidIdempotencyKey,
     InvalidRequest,
     InvalidTenant,
@@ -16,11 +16,11 @@ from orchestrator.errors import (
     UnencodableRequest,
     UnknownOperationType,
 )
-from orchestrator.executor import Executor
-from orchestrator.operations import REDACTED, OperationType, default_registry
-from orchestrator.store import Store
-from orchestrator.tables import operations
-from providers.sandbox import SandboxServer
+from payorch.executor import Executor
+from payorch.operations import REDACTED, OperationType, default_registry
+from payorch.providers.sandbox import SandboxServer
+from payorch.store import Store
+from payorch.tables import operations
 
 GOOD = {"amount": 1000, "currency": "EUR", "customer": "cus_1"}
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from standardwebhooks.webhooks import Webhook
 
-from providers.sandbox import Fault, SandboxServer, serve
+from payorch.providers.sandbox import Fault, SandboxServer, serve
 
 PAYMENT = {
     "amount": 1250,

@@ -13,13 +13,13 @@ import httpx
 import pytest
 from standardwebhooks.webhooks import Webhook
 
-from orchestrator.errors import (
+from payorch.errors import (
     ConfigurationError,
     ProviderIdempotencyError,
     WebhookMalformed,
     WebhookSignatureInvalid,
 )
-from orchestrator.provider import (
+from payorch.provider import (
     RAW_EVIDENCE_LIMIT,
     Answer,
     AnswerKind,
@@ -27,7 +27,7 @@ from orchestrator.provider import (
     StatusQuery,
     SubmitRequest,
 )
-from providers.sandbox import DEFAULT_TIMEOUT, Fault, SandboxProvider, SandboxServer
+from payorch.providers.sandbox import DEFAULT_TIMEOUT, Fault, SandboxProvider, SandboxServer
 
 SHORT_READ = httpx.Timeout(connect=2.0, read=0.3, write=2.0, pool=2.0)
 

@@ -21,22 +21,22 @@ import sqlalchemy as sa
 from conftest import FAST_TIMEOUT, RecordingSleep, age, make_due
 from sqlalchemy.engine import Connection
 
-from orchestrator.core import State
-from orchestrator.db import run_in_transaction
-from orchestrator.errors import (
+from payorch.core import State
+from payorch.db import run_in_transaction
+from payorch.errors import (
     CommitUncertain,
     OperationInProgress,
     OutcomeNotRecorded,
     StorageError,
 )
-from orchestrator.executor import Executor
-from orchestrator.http import http_answer
-from orchestrator.operations import default_registry
-from orchestrator.outcome import Outcome
-from orchestrator.provider import Answer, SubmitRequest
-from orchestrator.reconciler import Reconciler, ReconcilerPolicy
-from orchestrator.store import Store
-from providers.sandbox import SandboxProvider, SandboxServer
+from payorch.executor import Executor
+from payorch.http import http_answer
+from payorch.operations import default_registry
+from payorch.outcome import Outcome
+from payorch.provider import Answer, SubmitRequest
+from payorch.providers.sandbox import SandboxProvider, SandboxServer
+from payorch.reconciler import Reconciler, ReconcilerPolicy
+from payorch.store import Store
 
 PAYMENT = {"amount": 1500, "currency": "EUR", "customer": "cus_9"}
 

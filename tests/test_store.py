@@ -12,18 +12,18 @@ import pytest
 import sqlalchemy as sa
 import workers
 
-from orchestrator import migrate
-from orchestrator.core import State
-from orchestrator.errors import (
+from payorch import migrate
+from payorch.core import State
+from payorch.errors import (
     IdempotencyKeyReused,
     InvalidTransition,
     OperationInProgress,
     StaleVersion,
 )
-from orchestrator.operations import default_registry
-from orchestrator.records import ClaimResult, NewOperation
-from orchestrator.store import Store
-from orchestrator.tables import events, operations
+from payorch.operations import default_registry
+from payorch.records import ClaimResult, NewOperation
+from payorch.store import Store
+from payorch.tables import events, operations
 
 LEASE = timedelta(seconds=30)
 REQUEST = {"amount": 2500, "currency": "EUR", "customer": "cus_42"}
@@ -248,12 +248,15 @@ def test_migrations_match_table_definitions(db_url: str) -> None:
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
 
-    from orchestrator.tables import metadata
+    from payorch.tables import metadata
 
     engine = sa.create_engine(db_url)
     try:
         with engine.connect() as conn:
-            diff = compare_metadata(MigrationContext.configure(conn), metadata)
+            context = MigrationContext.configure(
+                conn, opts={"version_table": "payorch_alembic_version"}
+            )
+            diff = compare_metadata(context, metadata)
     finally:
         engine.dispose()
     assert diff == []

@@ -13,17 +13,17 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from orchestrator import migrate
-from orchestrator.core import State
-from orchestrator.errors import (
+from payorch import migrate
+from payorch.core import State
+from payorch.errors import (
     IdempotencyKeyReused,
     InvalidTransition,
     OperationInProgress,
     StaleVersion,
 )
-from orchestrator.operations import default_registry
-from orchestrator.records import OperationRecord
-from orchestrator.store import Store
+from payorch.operations import default_registry
+from payorch.records import OperationRecord
+from payorch.store import Store
 
 KEYS = ("a", "b", "c")
 AMOUNTS = (100, 200)

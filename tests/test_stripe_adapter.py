@@ -15,14 +15,14 @@ import httpx
 import pytest
 import respx
 
-from orchestrator.errors import (
+from payorch.errors import (
     ConfigurationError,
     ProviderIdempotencyError,
     WebhookMalformed,
     WebhookSignatureInvalid,
 )
-from orchestrator.provider import AnswerKind, Provider, StatusQuery, SubmitRequest
-from providers.stripe import (
+from payorch.provider import AnswerKind, Provider, StatusQuery, SubmitRequest
+from payorch.providers.stripe import (
     DEFAULT_TIMEOUT,
     IDEMPOTENCY_WINDOW,
     SIGNATURE_HEADER,
@@ -1128,8 +1128,9 @@ def test_webhook_missing_or_malformed_header_is_rejected(
 
 
 def test_webhook_non_utf8_body_is_rejected(stripe: StripeProvider) -> None:
+    # The signature covers the raw bytes; a signed body that is not UTF-8 JSON is malformed.
     body = b"\xff\xfe not utf-8"
-    with pytest.raises(WebhookSignatureInvalid):
+    with pytest.raises(WebhookMalformed):
         stripe.parse_webhook({SIGNATURE_HEADER: sign(body)}, body)
 
 

@@ -17,14 +17,14 @@ import pytest
 import respx
 from conftest import RecordingSleep, make_due
 
-from orchestrator.core import State
-from orchestrator.executor import Executor
-from orchestrator.http import http_answer
-from orchestrator.operations import default_registry
-from orchestrator.provider import AnswerKind, SubmitRequest
-from orchestrator.reconciler import Reconciler, ReconcilerPolicy
-from orchestrator.store import Store
-from providers.stripe import StripeProvider
+from payorch.core import State
+from payorch.executor import Executor
+from payorch.http import http_answer
+from payorch.operations import default_registry
+from payorch.provider import AnswerKind, SubmitRequest
+from payorch.providers.stripe import StripeProvider
+from payorch.reconciler import Reconciler, ReconcilerPolicy
+from payorch.store import Store
 
 BASE = "https://api.stripe.test"
 TIMEOUT = httpx.Timeout(connect=1.0, read=2.0, write=1.0, pool=1.0)

@@ -13,13 +13,13 @@ import pytest
 import sqlalchemy as sa
 from standardwebhooks.webhooks import Webhook
 
-from orchestrator.core import State
-from orchestrator.errors import WebhookMalformed, WebhookSignatureInvalid
-from orchestrator.executor import Executor
-from orchestrator.store import Store
-from orchestrator.tables import webhook_inbox
-from orchestrator.webhooks import WebhookHandler, WebhookStatus
-from providers.sandbox import SandboxProvider, SandboxServer
+from payorch.core import State
+from payorch.errors import WebhookMalformed, WebhookSignatureInvalid
+from payorch.executor import Executor
+from payorch.providers.sandbox import SandboxProvider, SandboxServer
+from payorch.store import Store
+from payorch.tables import webhook_inbox
+from payorch.webhooks import WebhookHandler, WebhookStatus
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 

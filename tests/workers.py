@@ -6,9 +6,9 @@ import random
 from datetime import timedelta
 from typing import Any
 
-from orchestrator.errors import OperationInProgress
-from orchestrator.records import NewOperation
-from orchestrator.store import Store
+from payorch.errors import OperationInProgress
+from payorch.records import NewOperation
+from payorch.store import Store
 
 
 def claim_many(url: str, worker: int, keys: list[str]) -> list[tuple[str, str, bool]]:
@@ -48,10 +48,10 @@ def execute_then_die(url: str, sandbox_url: str, key: str, point: str = "after_c
     import os
     import signal
 
-    from orchestrator.executor import Executor
-    from orchestrator.operations import default_registry
-    from orchestrator.provider import Answer, SubmitRequest
-    from providers.sandbox import SandboxProvider
+    from payorch.executor import Executor
+    from payorch.operations import default_registry
+    from payorch.provider import Answer, SubmitRequest
+    from payorch.providers.sandbox import SandboxProvider
 
     def die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -91,8 +91,8 @@ def reconcile_until_idle(
     ``start`` (a barrier proxy) lines the processes up, so a slow spawn cannot leave one
     of them with no work at all.
     """
-    from orchestrator.reconciler import Reconciler, ReconcilerPolicy
-    from providers.sandbox import SandboxProvider
+    from payorch.providers.sandbox import SandboxProvider
+    from payorch.reconciler import Reconciler, ReconcilerPolicy
 
     store = Store.from_url(url)
     if start is not None:

@@ -1,8 +1,8 @@
-"""The sandbox acquirer's adapter: implements :class:`orchestrator.provider.Provider`.
+"""The sandbox acquirer's adapter: implements :class:`payorch.provider.Provider`.
 
 Every httpx exception is caught here, once, and classified by
-:func:`orchestrator.provider.answer_from_transport_error`; nothing from httpx escapes. Every
-call runs under :func:`orchestrator.provider.send_with_deadline`, so ``max_call_duration``
+:func:`payorch.provider.answer_from_transport_error`; nothing from httpx escapes. Every
+call runs under :func:`payorch.provider.send_with_deadline`, so ``max_call_duration``
 (the deadline) bounds it whatever the server does.
 """
 
@@ -24,13 +24,13 @@ from standardwebhooks.webhooks import (
     WebhookVerificationError,
 )
 
-from orchestrator.errors import (
+from payorch.errors import (
     ConfigurationError,
     ProviderIdempotencyError,
     WebhookMalformed,
     WebhookSignatureInvalid,
 )
-from orchestrator.provider import (
+from payorch.provider import (
     Answer,
     AnswerKind,
     StatusQuery,
@@ -80,7 +80,7 @@ def _str_or_none(value: object) -> str | None:
 
 
 class SandboxProvider:
-    """Talks to :class:`providers.sandbox.SandboxServer` (or anything with its API)."""
+    """Talks to :class:`payorch.providers.sandbox.SandboxServer` (or anything with its API)."""
 
     def __init__(
         self,

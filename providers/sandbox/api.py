@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from providers.sandbox.faults import (
+from payorch.providers.sandbox.faults import (
     AFTER_COMMIT,
     BEFORE_COMMIT,
     WIRE_FAULTS,
@@ -36,8 +36,8 @@ from providers.sandbox.faults import (
     FaultPlan,
     parse_fault,
 )
-from providers.sandbox.ledger import Claim, Clock, EffectStatus, IdempotencyStore, Ledger
-from providers.sandbox.webhooks import Outbox
+from payorch.providers.sandbox.ledger import Claim, Clock, EffectStatus, IdempotencyStore, Ledger
+from payorch.providers.sandbox.webhooks import Outbox
 
 __all__ = ["Acquirer", "CommitGate", "Reply"]
 

@@ -1,7 +1,7 @@
 """The sandbox acquirer's HTTP server on loopback, and ``serve`` for the CLI.
 
 :class:`SandboxServer` owns the life cycle and the controls tests use (clock, faults, ledger,
-webhooks); :mod:`providers.sandbox.api` decides the answers. The server is a stdlib
+webhooks); :mod:`payorch.providers.sandbox.api` decides the answers. The server is a stdlib
 ``ThreadingHTTPServer`` so that faults can act on the socket itself (hold, RST).
 """
 
@@ -27,10 +27,10 @@ from urllib.parse import urlsplit
 
 from standardwebhooks.webhooks import EmptyWebhookSecretError
 
-from providers.sandbox.api import Acquirer, CommitGate, error_reply
-from providers.sandbox.faults import Fault, FaultPlan
-from providers.sandbox.ledger import Clock, EffectStatus
-from providers.sandbox.webhooks import Outbox, WebhookDelivery, generate_secret
+from payorch.providers.sandbox.api import Acquirer, CommitGate, error_reply
+from payorch.providers.sandbox.faults import Fault, FaultPlan
+from payorch.providers.sandbox.ledger import Clock, EffectStatus
+from payorch.providers.sandbox.webhooks import Outbox, WebhookDelivery, generate_secret
 
 __all__ = ["SandboxServer", "serve"]
 

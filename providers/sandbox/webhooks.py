@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 from standardwebhooks.webhooks import Webhook
 
-from providers.sandbox.ledger import Clock
+from payorch.providers.sandbox.ledger import Clock
 
 __all__ = ["Outbox", "WebhookDelivery", "generate_secret"]
 

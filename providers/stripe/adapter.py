@@ -27,8 +27,8 @@ from typing import Any, Self
 
 import httpx
 
-from orchestrator.errors import ConfigurationError
-from orchestrator.provider import (
+from payorch.errors import ConfigurationError
+from payorch.provider import (
     Answer,
     AnswerKind,
     StatusQuery,
@@ -76,7 +76,7 @@ _REFUND_PAGES = 10  # pages of 100 refunds listed per payment intent before givi
 
 
 class StripeProvider:
-    """A :class:`orchestrator.provider.Provider` for Stripe's v1 API.
+    """A :class:`payorch.provider.Provider` for Stripe's v1 API.
 
     ``payment.create`` creates and confirms a PaymentIntent. With ``capture_method="manual"``
     its effect is the authorisation, so ``requires_capture`` is that operation's SUCCEEDED

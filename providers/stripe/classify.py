@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 
-from orchestrator.errors import ProviderIdempotencyError
-from orchestrator.provider import (
+from payorch.errors import ProviderIdempotencyError
+from payorch.provider import (
     Answer,
     AnswerKind,
     answer_from_http_status,

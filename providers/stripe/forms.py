@@ -10,8 +10,8 @@ import re
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from orchestrator.errors import ConfigurationError
-from orchestrator.provider import SubmitRequest
+from payorch.errors import ConfigurationError
+from payorch.provider import SubmitRequest
 
 from .classify import PAYMENT_CAPTURE, PAYMENT_CREATE, SUPPORTED_OPERATIONS
 

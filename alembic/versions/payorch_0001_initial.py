@@ -1,7 +1,8 @@
 """Operations, their append-only events, and the webhook inbox.
 
-Revision ID: 0001
+Revision ID: payorch_0001
 Revises:
+Branch: payorch (ids are prefixed so they never collide with a host application's)
 Create Date: 2026-11-30
 """
 
@@ -10,9 +11,9 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0001"
+revision = "payorch_0001"
 down_revision = None
-branch_labels = None
+branch_labels = ("payorch",)
 depends_on = None
 
 ACTIVE = "state IN ('in_progress', 'outcome_unknown')"

@@ -147,6 +147,13 @@ class Arm:
     name: str
     fresh: Callable[[str], Factory]
     replay: Callable[[str], Factory] | None = None
+    # Runs (concurrency, total, key prefix) itself instead of run_threads (the async arm).
+    runner: Callable[[int, int, str], RunResult] | None = None
+
+    def run(self, threads: int, total: int, prefix: str) -> RunResult:
+        if self.runner is not None:
+            return self.runner(threads, total, prefix)
+        return run_threads(threads, total, self.fresh(prefix))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,15 +187,13 @@ def interleave(
     tag = new_id()[-8:]
     for arm in arms:
         if warmup:
-            run_threads(threads, warmup, arm.fresh(f"{arm.name}-w-t{threads}-{tag}"))
+            arm.run(threads, warmup, f"{arm.name}-w-t{threads}-{tag}")
     collected: dict[str, list[RunResult]] = {}
     for r in range(rounds):
         order = arms[r % len(arms) :] + arms[: r % len(arms)]
         for arm in order:
             prefix = f"{arm.name}-r{r}-t{threads}-{tag}"  # arms never share a key
-            collected.setdefault(arm.name, []).append(
-                run_threads(threads, per_round[r], arm.fresh(prefix))
-            )
+            collected.setdefault(arm.name, []).append(arm.run(threads, per_round[r], prefix))
             if arm.replay is not None and replay_per_round[r]:
                 collected.setdefault(f"{arm.name}_replay", []).append(
                     run_threads(threads, replay_per_round[r], arm.replay(prefix))
@@ -228,6 +233,12 @@ class InstantProvider:
 
     def query_status(self, query: StatusQuery) -> Answer:
         return Answer(kind=AnswerKind.SUCCEEDED, provider_reference=f"ref_{query.operation_id}")
+
+    async def asubmit(self, request: SubmitRequest) -> Answer:
+        return self.submit(request)
+
+    async def aquery_status(self, query: StatusQuery) -> Answer:
+        return self.query_status(query)
 
     def parse_webhook(self, headers: Mapping[str, str], body: bytes) -> WebhookEvent:
         raise WebhookSignatureInvalid("the instant provider sends no webhooks")

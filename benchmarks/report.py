@@ -237,6 +237,36 @@ def _print_postgres(console: Console, report: Report, opts: Options) -> None:
     )
 
 
+def _print_async(console: Console, report: Report) -> None:
+    t = _table(
+        "execute() vs AsyncExecutor.execute() (instant provider): N threads vs N concurrent "
+        "tasks on one event loop (ops/s; p50 / p99 ms)",
+        ("store", "N", "sync", "p50 / p99", "async", "p50 / p99 ", "async/sync", "per round"),
+        bold=("async/sync",),
+    )
+    for section in ("postgres", "sqlite"):
+        for n in sorted(report.sections.get(section, {})):
+            sync = report.result(section, n, "execute")
+            aio = report.result(section, n, "execute_async")
+            if aio is None:
+                continue
+            t.add_row(
+                section,
+                str(n),
+                _ops(sync),
+                _lat(sync),
+                _ops(aio),
+                _lat(aio),
+                _ratio(aio, sync),
+                _range(report, section, n, "execute_async", "execute"),
+            )
+    console.print(t)
+    console.print(
+        "  async: the sync flow run under SQLAlchemy's greenlet bridge on an async engine "
+        "(psycopg async / aiosqlite); one thread, N tasks."
+    )
+
+
 def _print_sandbox(console: Console, report: Report) -> None:
     t = _table(
         "PostgreSQL: execute() through the sandbox acquirer over loopback HTTP, server in this "
@@ -353,6 +383,7 @@ def print_report(console: Console, report: Report, opts: Options) -> None:
         _print_sandbox(console, report)
     if "sqlite" in report.sections:
         _print_sqlite(console, report)
+    _print_async(console, report)
     if report.scan:
         _print_scan(console, report)
     for section, by_threads in report.sections.items():

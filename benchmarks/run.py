@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_db
 import bench_execute as bx
 import bench_scan
+from bench_async import AsyncBench
 from report import Options, Report, print_report
 
 from payorch import migrate
@@ -67,6 +68,7 @@ def bench_postgres(db: bench_db.Database, opts: Options, report: Report, say: Sa
     # The same, on an engine without payorch's default pool_pre_ping (a SELECT 1 per checkout).
     unpinged = Store.from_url(db.url, pool_pre_ping=False)
     executor_unpinged = instant_executor(unpinged, "bench-executor-noping")
+    aio = AsyncBench(db.url, tenant=TENANT, owner="bench-executor-async")
     arms = [
         bx.Arm(
             name="floor",
@@ -80,6 +82,8 @@ def bench_postgres(db: bench_db.Database, opts: Options, report: Report, say: Sa
             replay=bx.replay_workload(executor, TENANT),
         ),
         bx.Arm(name="execute_noping", fresh=bx.execute_workload(executor_unpinged, TENANT)),
+        # N threads for the sync arms are N concurrent tasks on one loop here.
+        bx.Arm(name="execute_async", fresh=bx.execute_workload(executor, TENANT), runner=aio.run),
     ]
     try:
         for n in opts.threads:
@@ -101,6 +105,7 @@ def bench_postgres(db: bench_db.Database, opts: Options, report: Report, say: Sa
     finally:
         store.close()
         unpinged.close()
+        aio.close()
 
 
 def bench_sandbox(store: Store, instant: Executor, opts: Options, report: Report, say: Say) -> None:
@@ -145,12 +150,16 @@ def bench_sqlite(opts: Options, report: Report, say: Say) -> None:
         bx.prepare_sqlite_floor(path)
         store = Store.from_url(url)
         executor = instant_executor(store, "bench-executor-sqlite")
+        aio = AsyncBench(url, tenant=TENANT, owner="bench-executor-sqlite-async")
         arms = [
             bx.Arm(name="floor", fresh=bx.sqlite_floor_workload(path, TENANT)),
             bx.Arm(
                 name="execute",
                 fresh=bx.execute_workload(executor, TENANT),
                 replay=bx.replay_workload(executor, TENANT),
+            ),
+            bx.Arm(
+                name="execute_async", fresh=bx.execute_workload(executor, TENANT), runner=aio.run
             ),
         ]
         try:
@@ -170,6 +179,7 @@ def bench_sqlite(opts: Options, report: Report, say: Say) -> None:
                 )
         finally:
             store.close()
+            aio.close()
 
 
 # -- command line -------------------------------------------------------------------------------

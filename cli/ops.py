@@ -304,3 +304,79 @@ def resolve_cmd(
             f"audit event {audit[-1].id if audit else '?'}"
         )
     )
+
+
+@ops_app.command("ack")
+def ack_cmd(
+    *,
+    operation_id: OperationId,
+    reason: Annotated[
+        str,
+        typer.Option(
+            callback=_not_blank, help="Why (kept in the audit event).", show_default=False
+        ),
+    ],
+    actor: Annotated[
+        str,
+        typer.Option(
+            callback=_not_blank, help="Who decides (kept in the audit event).", show_default=False
+        ),
+    ],
+    tenant: Tenant = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    database_url: DatabaseUrl = None,
+    json_: JsonFlag = False,
+) -> None:
+    """Acknowledge a flagged terminal operation: clear needs_attention, keep its state."""
+    with open_store(database_url) as store:
+        record, _ = operator.load(store, tenant, operation_id)
+        operator.check_acknowledgeable(record)  # refuse before asking, not after
+        if not yes:
+            # With --json the prompt goes to stderr, so stdout stays one JSON document.
+            console = err() if json_ else out()
+            amount = render.fmt_amount(record.amount, record.currency)
+            console.print(
+                Text(
+                    f"{record.id} {record.operation} {amount} tenant {record.tenant_id}: "
+                    f"{record.state.value}, NEEDS ATTENTION, provider ref "
+                    f"{record.provider_reference or '-'} (see `payorch ops show {record.id}`)"
+                )
+            )
+            try:
+                confirmed = typer.confirm(
+                    f"Acknowledge on behalf of {actor}? The state stays {record.state.value}",
+                    default=False,
+                    err=json_,
+                )
+            except typer.Abort:
+                confirmed = False
+            if not confirmed:
+                err().print("aborted: nothing changed", markup=False)
+                raise typer.Exit(1)
+        updated = operator.acknowledge(
+            store,
+            record.tenant_id,
+            record.id,
+            reason=reason,
+            actor=actor,
+            expected_version=record.version,
+        )
+        audit = [
+            e
+            for e in store.events(updated.tenant_id, updated.id)
+            if e.kind == operator.ACKNOWLEDGED_EVENT
+        ]
+    if json_:
+        render.print_json(
+            {
+                "operation": updated.to_dict(),
+                "event": audit[-1].to_dict() if audit else None,
+            }
+        )
+        return
+    out().print(
+        Text(
+            f"{updated.id}: acknowledged by {actor}; state stays {updated.state.value}, "
+            f"no longer needs attention; audit event {audit[-1].id if audit else '?'}"
+        )
+    )

@@ -280,10 +280,11 @@ def show_stats(console: Console, stats: Stats) -> None:
     window = fmt_age(stats.window)
     console.print(
         Text(
-            f"last {window}: {stats.replays} replays, "
+            f"last {window}: {stats.replayed_operations} operations replayed, "
             f"{stats.conflicts} fingerprint conflicts (key reused with other effect fields)"
         )
     )
+    console.print(Text(f"replays in all: {stats.replays} (duplicates answered from storage)"))
     providers = Table(box=None, header_style="bold")
     providers.add_column("provider")
     for state in stats.by_state:

@@ -147,9 +147,13 @@ def build_providers(config: Settings) -> list[Provider]:
     if config.stripe_api_key:
         from payorch.providers.stripe import StripeProvider
 
+        window = config.stripe_idempotency_window_seconds
         providers.append(
             StripeProvider(
-                api_key=config.stripe_api_key, webhook_secret=config.stripe_webhook_secret
+                api_key=config.stripe_api_key,
+                webhook_secret=config.stripe_webhook_secret,
+                base_url=config.stripe_base_url,
+                idempotency_window=timedelta(seconds=window) if window > 0 else None,
             )
         )
     return providers

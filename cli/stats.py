@@ -19,7 +19,9 @@ def stats_cmd(
     *,
     window: Annotated[
         timedelta | None,
-        duration_option("Count replays and fingerprint conflicts over this window [default: 24h]."),
+        duration_option(
+            "Count replayed operations and fingerprint conflicts over this window [default: 24h]."
+        ),
     ] = None,
     tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant.")] = None,
     database_url: DatabaseUrl = None,

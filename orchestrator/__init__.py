@@ -10,6 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .aio import AsyncExecutor, AsyncReconciler, AsyncWebhookHandler
+    from .async_store import AsyncStore
     from .core import State
     from .daemon import ReconcilerDaemon
     from .errors import (
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
         PayorchError,
         ProviderError,
         ProviderIdempotencyError,
+        RequestBodyNotJson,
         RequestValidationFailed,
         StaleVersion,
         StateConflict,
@@ -41,12 +44,27 @@ if TYPE_CHECKING:
         WebhookMalformed,
         WebhookRejected,
         WebhookSignatureInvalid,
+        WebhookUnstorable,
     )
     from .executor import Executor, RetryPolicy
-    from .http import HttpAnswer, http_answer
+    from .http import (
+        HttpAnswer,
+        http_answer,
+        parse_idempotency_key,
+        parse_json_body,
+        webhook_answer,
+    )
     from .operations import OperationType, Registry, default_registry
     from .outcome import Outcome
-    from .provider import Answer, AnswerKind, Provider, StatusQuery, SubmitRequest, WebhookEvent
+    from .provider import (
+        Answer,
+        AnswerKind,
+        AsyncProvider,
+        Provider,
+        StatusQuery,
+        SubmitRequest,
+        WebhookEvent,
+    )
     from .reconciler import Reconciler, ReconcileReport, ReconcilerPolicy
     from .records import ClaimResult, EventRecord, NewOperation, OperationRecord
     from .settings import Settings
@@ -56,6 +74,11 @@ if TYPE_CHECKING:
 _EXPORTS: dict[str, str] = {
     "Answer": "provider",
     "AnswerKind": "provider",
+    "AsyncExecutor": "aio",
+    "AsyncProvider": "provider",
+    "AsyncReconciler": "aio",
+    "AsyncStore": "async_store",
+    "AsyncWebhookHandler": "aio",
     "ClaimResult": "records",
     "CommitUncertain": "errors",
     "ConfigurationError": "errors",
@@ -88,6 +111,7 @@ _EXPORTS: dict[str, str] = {
     "ReconcilerDaemon": "daemon",
     "ReconcilerPolicy": "reconciler",
     "Registry": "operations",
+    "RequestBodyNotJson": "errors",
     "RequestValidationFailed": "errors",
     "RetryPolicy": "executor",
     "Settings": "settings",
@@ -108,13 +132,22 @@ _EXPORTS: dict[str, str] = {
     "WebhookResult": "webhooks",
     "WebhookSignatureInvalid": "errors",
     "WebhookStatus": "webhooks",
+    "WebhookUnstorable": "errors",
     "default_registry": "operations",
     "http_answer": "http",
+    "parse_idempotency_key": "http",
+    "parse_json_body": "http",
+    "webhook_answer": "http",
 }
 
 __all__ = [
     "Answer",
     "AnswerKind",
+    "AsyncExecutor",
+    "AsyncProvider",
+    "AsyncReconciler",
+    "AsyncStore",
+    "AsyncWebhookHandler",
     "ClaimResult",
     "CommitUncertain",
     "ConfigurationError",
@@ -147,6 +180,7 @@ __all__ = [
     "ReconcilerDaemon",
     "ReconcilerPolicy",
     "Registry",
+    "RequestBodyNotJson",
     "RequestValidationFailed",
     "RetryPolicy",
     "Settings",
@@ -167,8 +201,12 @@ __all__ = [
     "WebhookResult",
     "WebhookSignatureInvalid",
     "WebhookStatus",
+    "WebhookUnstorable",
     "default_registry",
     "http_answer",
+    "parse_idempotency_key",
+    "parse_json_body",
+    "webhook_answer",
 ]
 
 

@@ -11,15 +11,15 @@ import os
 import random
 import re
 import sqlite3
-import time
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event, exc
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 
+from .bridge import pause
 from .errors import (
     CommitUncertain,
     ConfigurationError,
@@ -28,7 +28,11 @@ from .errors import (
     StorageError,
 )
 
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
 __all__ = [
+    "create_async_engine",
     "create_engine",
     "map_db_error",
     "normalise_url",
@@ -88,6 +92,37 @@ def create_engine(url: str | URL, *, schema: str | None = None, **kwargs: Any) -
     ``public``): the connections' ``search_path`` names it, set at connect time so no
     statement pays for it.
     """
+    parsed, name = _engine_options(url, schema, kwargs)
+    engine = sa.create_engine(parsed, **kwargs)
+    _configure(engine, name)
+    return engine
+
+
+def create_async_engine(url: str | URL, *, schema: str | None = None, **kwargs: Any) -> AsyncEngine:
+    """:func:`create_engine`'s twin for the async API: the same pool sizes, pragmas, BEGIN
+    IMMEDIATE and schema, over psycopg's async driver or aiosqlite.
+
+    The configuration attaches to ``engine.sync_engine``, the engine the sync store code
+    runs on under :func:`payorch.bridge.run_bridged`.
+    """
+    from sqlalchemy.ext.asyncio import create_async_engine as _create
+
+    parsed, name = _engine_options(url, schema, kwargs)
+    if parsed.get_backend_name() == "sqlite":
+        parsed = parsed.set(drivername="sqlite+aiosqlite")
+        # aiosqlite runs each connection on its own thread; sqlite3's check has no say.
+        kwargs["connect_args"] = {
+            k: v for k, v in kwargs["connect_args"].items() if k != "check_same_thread"
+        }
+    engine = _create(parsed, **kwargs)
+    _configure(engine.sync_engine, name)
+    return engine
+
+
+def _engine_options(
+    url: str | URL, schema: str | None, kwargs: dict[str, Any]
+) -> tuple[URL, str | None]:
+    """Fill ``kwargs`` with payorch's engine defaults; the URL and the PostgreSQL schema."""
     parsed = normalise_url(url)
     pooled = "poolclass" not in kwargs  # sizes apply to the default QueuePool only
     if parsed.get_backend_name() == "sqlite":
@@ -96,9 +131,7 @@ def create_engine(url: str | URL, *, schema: str | None = None, **kwargs: Any) -
             kwargs.setdefault("pool_size", 8)
             kwargs.setdefault("max_overflow", 32)
             kwargs.setdefault("pool_timeout", 120)
-        engine = sa.create_engine(parsed, **kwargs)
-        _configure_sqlite(engine)
-        return engine
+        return parsed, None
     if pooled:
         kwargs.setdefault("pool_size", 10)
         kwargs.setdefault("max_overflow", 20)  # 30 connections: well under a server's 100
@@ -109,9 +142,14 @@ def create_engine(url: str | URL, *, schema: str | None = None, **kwargs: Any) -
         connect_args = dict(kwargs.pop("connect_args", {}))
         connect_args["options"] = f"{connect_args.get('options', '')} -c search_path={name}"
         kwargs["connect_args"] = connect_args
-    engine = sa.create_engine(parsed, **kwargs)
-    _SCHEMAS[engine] = name
-    return engine
+    return parsed, name
+
+
+def _configure(engine: Engine, schema: str | None) -> None:
+    if schema is None:
+        _configure_sqlite(engine)
+    else:
+        _SCHEMAS[engine] = schema
 
 
 def _configure_sqlite(engine: Engine) -> None:
@@ -131,7 +169,9 @@ def _configure_sqlite(engine: Engine) -> None:
         # Bytes that are not UTF-8 in a TEXT column (written by something other than payorch)
         # would make sqlite3 fail the whole result, and so every reconciler pass: decode them
         # with U+FFFD instead, so the row reads, fails validation and is quarantined alone.
-        dbapi_conn.text_factory = _decode_text
+        # Under aiosqlite (the async API) the sqlite3 connection sits behind two adapters.
+        target = getattr(dbapi_conn, "_connection", dbapi_conn)
+        target.text_factory = _decode_text
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
@@ -221,7 +261,8 @@ def run_in_transaction(engine: Engine, fn: Callable[[Connection], T], *, write: 
                 and _is_retryable(err)
                 and attempt + 1 < MAX_TRANSACTION_ATTEMPTS
             ):
-                time.sleep(random.uniform(0, 0.01 * 2**attempt))  # noqa: S311 - jitter only
+                # On an event loop (the async API) this awaits instead of blocking the loop.
+                pause(random.uniform(0, 0.01 * 2**attempt))  # noqa: S311 - jitter only
                 continue
             raise map_db_error(err) from err
     raise StorageError("transaction retries exhausted")  # pragma: no cover - loop returns/raises

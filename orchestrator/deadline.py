@@ -5,10 +5,14 @@ trickled one byte per read time-out never times out. Here the call runs on a wor
 and the caller waits for it until the deadline, which bounds the call whatever the provider
 does. Whether the request may have been sent by then is decided once, under a lock, from
 httpcore's phase announcements (the ``trace`` request extension).
+
+:func:`asend_with_deadline` is the async twin: ``asyncio.timeout`` bounds the whole call, and
+the same announcements say whether writing had begun when it was cancelled.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -16,7 +20,7 @@ from typing import Any
 
 import httpx
 
-__all__ = ["DeadlineExceeded", "send_with_deadline"]
+__all__ = ["DeadlineExceeded", "asend_with_deadline", "send_with_deadline"]
 
 
 class DeadlineExceeded(httpx.TimeoutException):
@@ -139,13 +143,13 @@ class _CheckedStream(httpx.SyncByteStream):
         self._inner.close()
 
 
-def _traces_phases(client: httpx.Client, request: httpx.Request) -> bool:
+def _traces_phases(client: httpx.Client | httpx.AsyncClient, request: httpx.Request) -> bool:
     """Whether ``request`` goes through httpcore, which announces each phase to ``trace``."""
     try:
         transport = client._transport_for_url(request.url)  # the mount httpx itself would use
     except Exception:  # noqa: BLE001 - an unknown client: assume nothing is announced
         return False
-    return isinstance(transport, httpx.HTTPTransport)
+    return isinstance(transport, httpx.HTTPTransport | httpx.AsyncHTTPTransport)
 
 
 def send_with_deadline(
@@ -171,3 +175,38 @@ def send_with_deadline(
     if call.response is None:
         raise call.error or RuntimeError("the provider call ended without a result")
     return call.response
+
+
+async def asend_with_deadline(
+    client: httpx.AsyncClient, request: httpx.Request, *, deadline: float
+) -> httpx.Response:
+    """Send ``request`` and read its whole body, or raise by ``deadline`` at the latest.
+
+    The async twin of :func:`send_with_deadline`, with the same contract: ``deadline`` is a
+    :func:`time.monotonic` instant; past it :class:`DeadlineExceeded` is raised, with
+    ``possibly_sent=False`` only when httpcore had not announced the first write of the
+    request. A cancelled task stops at an ``await``, and the announcement is made just
+    before the write, so "not written" is exact here too. A transport that announces
+    nothing (a mock, a custom transport) is possibly sent from the start.
+    """
+    writing = not _traces_phases(client, request)
+
+    async def trace(event: str, info: Mapping[str, Any]) -> None:
+        nonlocal writing
+        *_, phase, stage = event.split(".")
+        if stage == "started" and phase in _WRITE_PHASES:
+            writing = True
+
+    request.extensions = {**request.extensions, "trace": trace}
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:  # spent before this call began: nothing was sent
+        raise DeadlineExceeded(
+            "the provider call outlived its deadline", possibly_sent=False, request=request
+        )
+    try:
+        async with asyncio.timeout(remaining):
+            return await client.send(request)  # reads the whole body inside the bound
+    except TimeoutError as exc:
+        raise DeadlineExceeded(
+            "the provider call outlived its deadline", possibly_sent=writing, request=request
+        ) from exc

@@ -21,6 +21,7 @@ and may have reached the provider. No error ever invites a new key.
     │   ├── RequestValidationFailed         422  the request model refused the payload
     │   ├── InvalidMoney                    400  float / non-integer amounts, bad currency
     │   ├── UnencodableRequest              400  no canonical JSON form (surrogate, NaN, set…)
+    │   ├── RequestBodyNotJson              400  an HTTP request body that is not JSON
     │   └── UnknownProvider                 400  the caller named a provider not configured
     ├── IdempotencyError
     │   ├── IdempotencyKeyReused            422  same namespace, other fingerprint
@@ -37,6 +38,7 @@ and may have reached the provider. No error ever invites a new key.
     ├── WebhookRejected                     400
     │   ├── WebhookSignatureInvalid         400  missing/bad signature or stale timestamp
     │   └── WebhookMalformed                400  not JSON / not the provider's shape
+    │       └── WebhookUnstorable           400  id/type/reference too long for its column
     └── StorageError                        503  + retry_after; nothing committed: same key
         ├── DatabaseUnavailable             503
         ├── CorruptRecord                   503  a stored row cannot be read; quarantined
@@ -67,6 +69,7 @@ __all__ = [
     "PayorchError",
     "ProviderError",
     "ProviderIdempotencyError",
+    "RequestBodyNotJson",
     "RequestValidationFailed",
     "StaleVersion",
     "StateConflict",
@@ -77,6 +80,7 @@ __all__ = [
     "WebhookMalformed",
     "WebhookRejected",
     "WebhookSignatureInvalid",
+    "WebhookUnstorable",
 ]
 
 
@@ -285,3 +289,19 @@ class CorruptRecord(StorageError):
         super().__init__(message, operation_id=operation_id)
         self.tenant_id = tenant_id
         self.problem = problem
+
+
+class RequestBodyNotJson(InvalidRequest):
+    """An HTTP request body that is not JSON (or not UTF-8, or holds a duplicate member
+    name, NaN or Infinity): refused at the edge, before anything is validated or written."""
+
+    problem_type = "urn:payorch:problem:request-body-not-json"
+
+
+class WebhookUnstorable(WebhookMalformed):
+    """A validly signed delivery that cannot be stored as it is: an event id, type or
+    provider reference longer than its column, or text the database cannot hold (a NUL, a
+    lone surrogate). Refused before anything is written: a provider that sends it again gets
+    the same 400, never a 503 that would invite retries for ever."""
+
+    problem_type = "urn:payorch:problem:webhook-unstorable"

@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from .bridge import pause
 from .core import State, backoff_delay, max_backoff_total
 from .errors import (
     ConfigurationError,
@@ -33,6 +34,7 @@ from .operations import Registry, default_registry
 from .outcome import Outcome, decide, late_conflict
 from .provider import Answer, AnswerKind, Provider, SubmitRequest
 from .records import OperationRecord
+from .redaction import Redactor
 from .store import Store
 
 __all__ = ["Executor", "RetryPolicy", "default_owner", "submit_and_record"]
@@ -216,7 +218,7 @@ def submit_and_record(
     owner: str,
     lease: timedelta,
     retry: RetryPolicy,
-    sleep: Callable[[float], None] = time.sleep,
+    sleep: Callable[[float], None] = pause,  # awaits when run for the async API
     rand: Callable[[], float] = random.random,
     actor_kind: str = "provider_answer",
     not_sent_is_final: bool = True,
@@ -235,10 +237,13 @@ def submit_and_record(
         downstream_key=record.downstream_key,
         payload=payload,
     )
+    # What the provider echoes of a sensitive value is stored nowhere (evidence, response).
+    redactor = Redactor.of(record.request, payload)
     attempt = 1
     while True:
         started = time.monotonic()
         answer, attention = _submit_once(adapter, request)
+        answer = redactor.answer(answer)
         detail = {
             "attempt": attempt,
             "duration_ms": round((time.monotonic() - started) * 1000, 1),

@@ -1,122 +1,348 @@
-"""The HTTP answer an embedding web app gives for an outcome or an error.
+"""The HTTP contract in one place: framework-free, pure, no I/O.
 
-The mapping of the design's claim contract (IETF Idempotency-Key draft, Stripe). Every
-answer says what the client does next; ``retry`` in the body spells it out where it matters:
+The FastAPI and Django integrations (and any hand-written endpoint) do three things with it:
+read the key with :func:`parse_idempotency_key` (and the body with :func:`parse_json_body`),
+call ``execute()``, and send what :func:`http_answer` (or :func:`webhook_answer`) returns.
+``../docs/http.md`` has the whole table; in short, every answer says what the client does
+next, and only a stored failure with nothing sent invites a new key:
 
 =============================================  ======  =========================================
-situation                                      status  next step (``retry``)
+situation                                      status  next step
 =============================================  ======  =========================================
-succeeded (first time or replayed)             200     ``Idempotent-Replayed: true`` on a replay
+succeeded (first time or replayed)             200/201 ``Idempotent-Replayed: true`` on a replay
 declined / failed_final                        402     the stored failure, replayed alike
-failed_final, nothing sent (provider down,     503     ``new_key``: the only answer that allows
-provider refused our credentials, abandoned)           one; ``Retry-After``
-outcome_unknown                                202     ``same_key``: body names the operation
+failed_final, nothing sent                     503     ``retry: new_key`` after ``Retry-After``
+outcome_unknown                                202     ``retry: same_key``; ``Location`` to poll
 in progress                                    409     ``same_key`` after ``Retry-After``
 key reused with other effect fields            422     type ``…:idempotency-key-reused``
 request model refused the payload              422     type ``…:request-validation-failed``
 key past retention (tombstone)                 410     configurable per operation type
-bad key / bad request / unknown provider       400
-storage failed before the claim could commit   503     ``same_key`` after ``Retry-After``
-storage failed once the claim may have         503     ``same_key`` after ``Retry-After``: the
-committed (``OutcomeNotRecorded``)                     operation may exist and may have been sent
+missing/invalid key, body not JSON, bad input  400     fix the request
+storage failed (before or after the claim)     503     ``same_key`` after ``Retry-After``
 =============================================  ======  =========================================
 
-Why 503 and not 202 when the outcome was not recorded: a 202 says the request was
-accepted, and after a lost COMMIT it may not have been; a 503 with ``Retry-After`` makes
-every client come back, and its ``type`` and ``retry`` say "with the same key". Every
-error body carries the error's stable ``type`` URN, so two 422s are told apart.
+Outcomes are ``application/json`` (the stored body, byte for byte the same on a replay);
+every refusal and error is an RFC 9457 ``application/problem+json`` body whose ``type`` is
+the error's stable URN, so two 422s are told apart.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .core import State
-from .errors import OperationInProgress, OutcomeNotRecorded, PayorchError, StorageError
+import http_sf
+
+from .core import MAX_KEY_LENGTH, State, validate_idempotency_key
+from .errors import (
+    ConfigurationError,
+    InvalidIdempotencyKey,
+    OperationInProgress,
+    OutcomeNotRecorded,
+    PayorchError,
+    RequestBodyNotJson,
+    RequestValidationFailed,
+    StorageError,
+    UnknownProvider,
+)
 from .outcome import Outcome
 
-__all__ = ["HttpAnswer", "http_answer"]
+if TYPE_CHECKING:  # only the type: answering a webhook needs neither the store nor SQL
+    from .webhooks import WebhookResult
 
+__all__ = [
+    "IDEMPOTENCY_KEY_HEADER",
+    "JSON",
+    "NEW_KEY",
+    "OPERATION_HEADER",
+    "PROBLEM_JSON",
+    "REPLAYED_HEADER",
+    "SAME_KEY",
+    "HttpAnswer",
+    "http_answer",
+    "parse_idempotency_key",
+    "parse_json_body",
+    "problem",
+    "webhook_answer",
+]
+
+IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
 OPERATION_HEADER = "Payorch-Operation-Id"
+REPLAYED_HEADER = "Idempotent-Replayed"
+JSON = "application/json"
+PROBLEM_JSON = "application/problem+json"
+SAME_KEY = "same_key"
+NEW_KEY = "new_key"
 # A stored "nothing was sent" failure keeps no provider Retry-After; its inline retries
 # already waited, so a client should not come straight back.
 FAILED_NOT_SENT_RETRY_AFTER = 5
-SAME_KEY = "same_key"
-NEW_KEY = "new_key"
+# The longest header value that can still hold a valid key: every character escaped, quoted.
+_MAX_FIELD = 2 * MAX_KEY_LENGTH + 2
 
-_STORAGE_MESSAGE = (
+_STORAGE_DETAIL = (
     "storage is unavailable; retry with the same idempotency key after Retry-After seconds, "
     "never with a new one"
 )
-_NOT_RECORDED_MESSAGE = (
+_NOT_RECORDED_DETAIL = (
     "the operation may exist and may have reached the provider, but its outcome is not "
     "recorded yet; retry with the same idempotency key after Retry-After seconds, never "
     "with a new one"
 )
+_INTERNAL_DETAIL = (
+    "the server failed to handle the request; retry with the same idempotency key later, "
+    "never with a new one"
+)
+_UNKNOWN_MESSAGE = (
+    "the provider's answer is not known yet; it is being reconciled, "
+    "ask again with the same idempotency key"
+)
+_ACRONYMS = {"json": "JSON"}
 
 
 @dataclass(frozen=True, kw_only=True)
 class HttpAnswer:
+    """Status, headers and body to send; ``content_type`` is not repeated in ``headers``."""
+
     status: int
     body: dict[str, Any]
     headers: dict[str, str] = field(default_factory=dict)
+    content_type: str = JSON
+
+    def content(self) -> bytes:
+        """The body as compact JSON (ASCII: anything stored, even a lone surrogate, encodes)."""
+        return json.dumps(self.body, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+# -- the Idempotency-Key header ----------------------------------------------------------
+
+
+def _bad_key(detail: str) -> InvalidIdempotencyKey:
+    return InvalidIdempotencyKey(f"the {IDEMPOTENCY_KEY_HEADER} header {detail}")
+
+
+def parse_idempotency_key(value: str | None) -> str:
+    """The key an ``Idempotency-Key`` header value carries, or ``InvalidIdempotencyKey``.
+
+    Two forms name one key: the draft's RFC 8941 sf-string (``"8e03…"``, with ``\\"`` and
+    ``\\\\`` escapes) and the bare form Stripe clients send (``8e03…``), taken verbatim
+    (never read as a token, integer or byte sequence: UUIDs often start with a digit).
+    Refused: missing, empty, over-long, list-valued (``a, b``), non-ASCII or control
+    characters, whitespace inside, parameters (``"k";p=1``: the draft defines none) and bad
+    quoting. The key then passes payorch's own rule (``validate_idempotency_key``), the same
+    one ``execute()`` applies: 1-255 printable ASCII characters, no spaces.
+    """
+    if value is None:
+        raise _bad_key("is missing")
+    text = value.strip(" \t")  # optional whitespace around a field value is not part of it
+    if not text:
+        raise _bad_key("is empty")
+    if len(text) > _MAX_FIELD:
+        raise _bad_key(f"is too long (a key has at most {MAX_KEY_LENGTH} characters)")
+    if not text.isascii():
+        raise _bad_key("must be ASCII")
+    if any((c < " " and c != "\t") or c == "\x7f" for c in text):
+        raise _bad_key("contains control characters")
+    key = _quoted(text) if text.startswith('"') else _bare(text)
+    return validate_idempotency_key(key)
+
+
+def _quoted(text: str) -> str:
+    data = text.encode("ascii")
+    try:
+        members = http_sf.parse(data, tltype="list")
+    except http_sf.StructuredFieldError:
+        members = None
+    if isinstance(members, list) and len(members) > 1:
+        raise _bad_key("holds several values (a list); send exactly one key")
+    try:
+        parsed = http_sf.parse(data, tltype="item")
+    except http_sf.StructuredFieldError as exc:
+        raise _bad_key(f"is badly quoted: {exc}") from None
+    if not isinstance(parsed, tuple):  # an item is (value, parameters)
+        raise _bad_key("must be one quoted string")
+    item, params = parsed
+    if not isinstance(item, str):  # e.g. a display string %"…"
+        raise _bad_key("must be a quoted string or a bare key")
+    if params:
+        raise _bad_key(f"has parameters ({', '.join(sorted(params))}); none are accepted")
+    return item
+
+
+def _bare(text: str) -> str:
+    if "," in text:
+        raise _bad_key("holds several values (a list); send exactly one key")
+    if '"' in text:
+        raise _bad_key("is badly quoted: a quoted key must start and end with '\"'")
+    if " " in text or "\t" in text:
+        raise _bad_key("contains whitespace; a key has none")
+    return text
+
+
+# -- the request body --------------------------------------------------------------------
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in obj:  # parsers disagree on which one wins: refuse rather than pick
+            raise RequestBodyNotJson(f"the request body repeats the member {name!r}")
+        obj[name] = value
+    return obj
+
+
+def _no_constant(name: str) -> Any:
+    raise RequestBodyNotJson(f"the request body holds {name}, which is not JSON")
+
+
+def parse_json_body(raw: bytes | str) -> dict[str, Any]:
+    """The request body as a JSON object, or ``RequestBodyNotJson`` (400).
+
+    Strict RFC 8259: UTF-8 only, no NaN/Infinity, no repeated member names. Valid JSON that
+    is not an object is ``RequestValidationFailed`` (422), as the request model would say.
+    Nothing is written either way.
+    """
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        value = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except UnicodeDecodeError:
+        raise RequestBodyNotJson("the request body is not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise RequestBodyNotJson(f"the request body is not JSON: {exc.msg}") from None
+    except RecursionError:
+        raise RequestBodyNotJson("the request body is nested too deeply") from None
+    if not isinstance(value, dict):
+        raise RequestValidationFailed(
+            "the request body must be a JSON object",
+            errors=[{"loc": [], "msg": "must be a JSON object", "type": "model_type"}],
+        )
+    return value
+
+
+# -- answers -------------------------------------------------------------------------------
 
 
 def _seconds(value: float) -> str:
     return str(max(1, math.ceil(value)))
 
 
-def _error_answer(err: PayorchError) -> HttpAnswer:
+def _title(problem_type: str) -> str:
+    words = problem_type.rsplit(":", 1)[-1].split("-")
+    text = " ".join(_ACRONYMS.get(w, w) for w in words)
+    return text[:1].upper() + text[1:]
+
+
+def problem(
+    status: int,
+    type_: str,
+    title: str,
+    detail: str,
+    *,
+    headers: Mapping[str, str] | None = None,
+    **ext: Any,
+) -> HttpAnswer:
+    """An RFC 9457 problem answer; ``ext`` become extension members of the body.
+
+    Every 409 and 503 says when to come back: ``Retry-After: 1`` unless ``headers`` has one.
+    """
+    out = dict(headers or {})
+    if status in (409, 503):
+        out.setdefault("Retry-After", "1")
+    body = {"type": type_, "title": title, "status": status, "detail": detail, **ext}
+    return HttpAnswer(status=status, body=body, headers=out, content_type=PROBLEM_JSON)
+
+
+def _error_answer(err: PayorchError, *, status: int | None = None) -> HttpAnswer:
+    status = status or err.http_status
     headers: dict[str, str] = {}
-    body: dict[str, Any] = {
-        "type": err.problem_type,
-        "error": type(err).__name__,
-        "message": err.message,
-    }
+    ext: dict[str, Any] = {}
+    detail = err.message
     if err.operation_id is not None:
         headers[OPERATION_HEADER] = err.operation_id
-        body["operation_id"] = err.operation_id
+        ext["operation_id"] = err.operation_id
+    if isinstance(err, RequestValidationFailed):
+        ext["errors"] = err.errors
     if isinstance(err, OperationInProgress):
         headers["Retry-After"] = _seconds(err.retry_after)
-        body["retry"] = SAME_KEY
-    if isinstance(err, StorageError):
+        ext["retry"] = SAME_KEY
+    elif isinstance(err, StorageError):
         # Never the database's own text (hosts, SQL) to a client; it stays on the exception.
         not_recorded = isinstance(err, OutcomeNotRecorded)
-        body["message"] = _NOT_RECORDED_MESSAGE if not_recorded else _STORAGE_MESSAGE
+        detail = _NOT_RECORDED_DETAIL if not_recorded else _STORAGE_DETAIL
         headers["Retry-After"] = _seconds(err.retry_after)
-        body["retry"] = SAME_KEY
-    if err.http_status == 503 and "Retry-After" not in headers:  # every 503 says when
-        headers["Retry-After"] = "1"
-    return HttpAnswer(status=err.http_status, body=body, headers=headers)
+        ext["retry"] = SAME_KEY
+    elif status >= 500:
+        # Configuration and provider errors may name internals; same key is always safe.
+        detail = _INTERNAL_DETAIL
+        ext["retry"] = SAME_KEY
+    return problem(
+        status, err.problem_type, _title(err.problem_type), detail, headers=headers, **ext
+    )
 
 
-def http_answer(result: Outcome | PayorchError) -> HttpAnswer:
-    """What to send back for ``execute()``'s outcome or the PayorchError it raised."""
-    if isinstance(result, PayorchError):
-        return _error_answer(result)
+def _outcome_answer(result: Outcome, success_status: int, location: str | None) -> HttpAnswer:
     headers = {OPERATION_HEADER: result.operation_id}
     if result.replayed:
-        headers["Idempotent-Replayed"] = "true"
+        headers[REPLAYED_HEADER] = "true"
     body: dict[str, Any] = {
         "operation_id": result.operation_id,
         "state": result.state.value,
         **{k: v for k, v in (result.response or {}).items() if k != "http_status"},
     }
+    status = result.http_status
+    if result.state is State.SUCCEEDED and status == 200:
+        status = success_status  # a replay answers as the first time did
     if result.state is State.IN_PROGRESS:
         # Taken over mid-call (our lease lapsed): someone else is finishing it.
         headers["Retry-After"] = "1"
         body["retry"] = SAME_KEY
     if result.unknown:
-        body["message"] = (
-            "the provider's answer is not known yet; it is being reconciled, "
-            "ask again with the same idempotency key"
-        )
+        body["message"] = _UNKNOWN_MESSAGE
         body["retry"] = SAME_KEY
-    if result.http_status == 503:
+    if status == 503:
         # Stored failed_final with nothing sent: this key's answer is final, and a new key is
         # safe because no request reached the provider.
         headers["Retry-After"] = str(FAILED_NOT_SENT_RETRY_AFTER)
         body["retry"] = NEW_KEY if result.state is State.FAILED_FINAL else SAME_KEY
-    return HttpAnswer(status=result.http_status, body=body, headers=headers)
+    if location is not None and status in (201, 202):
+        headers["Location"] = location  # the created operation / where to poll it
+    return HttpAnswer(status=status, body=body, headers=headers, content_type=JSON)
+
+
+def http_answer(
+    result: Outcome | PayorchError, *, success_status: int = 200, location: str | None = None
+) -> HttpAnswer:
+    """What to send back for ``execute()``'s outcome or the PayorchError it raised.
+
+    ``success_status`` (200 or 201) answers a succeeded operation, fresh or replayed alike.
+    ``location`` (the URL where the integration serves the operation) goes out as
+    ``Location`` on a 202 (where to poll) or a 201.
+    """
+    if success_status not in (200, 201):
+        raise ConfigurationError(f"success_status must be 200 or 201, not {success_status}")
+    if isinstance(result, PayorchError):
+        return _error_answer(result)
+    return _outcome_answer(result, success_status, location)
+
+
+def webhook_answer(result: WebhookResult | PayorchError) -> HttpAnswer:
+    """What to send back to a provider for ``WebhookHandler.handle()``'s result or error.
+
+    Every handled delivery is 200, whatever became of it, so the provider stops re-sending;
+    a bad signature or shape is 400, an unknown provider in the URL 404 (its path names no
+    endpoint), and storage trouble 503 with ``Retry-After`` so the provider sends it again.
+    """
+    if isinstance(result, UnknownProvider):
+        return _error_answer(result, status=404)
+    if isinstance(result, PayorchError):
+        return _error_answer(result)
+    body: dict[str, Any] = {"status": result.status.value, "event_id": result.event_id}
+    headers: dict[str, str] = {}
+    if result.operation_id is not None:
+        body["operation_id"] = result.operation_id
+        headers[OPERATION_HEADER] = result.operation_id
+    if result.state is not None:
+        body["state"] = result.state.value
+    return HttpAnswer(status=200, body=body, headers=headers, content_type=JSON)

@@ -41,6 +41,7 @@ from .errors import (
     UnknownOperationType,
 )
 from .records import NewOperation
+from .redaction import REDACTED, Redactor
 
 __all__ = [
     "DEFAULT_RETENTION",
@@ -62,7 +63,6 @@ DEFAULT_RETENTION = timedelta(hours=24)
 # Money movement keeps its outcome longer: a client retrying days later must still get the
 # first answer rather than a second charge.
 MONEY_RETENTION = timedelta(days=30)
-REDACTED = "[redacted]"
 
 # Integer minor units only: Strict refuses 10.5 and also 10.0 (a float in disguise).
 MinorUnits = Annotated[int, Strict(), Field(ge=0, le=10**15)]
@@ -122,6 +122,14 @@ class OperationType:
             raise ConfigurationError(f"{self.name}: {missing} are not fields of {self.model}")
         if not self.effect_fields:
             raise ConfigurationError(f"{self.name}: at least one effect field is needed")
+        overlap = [f for f in self.sensitive_fields if f in self.effect_fields]
+        if overlap:
+            # The fingerprint is a plain SHA-256 of the effect fields, kept for as long as the
+            # tombstone: a card number or an account in it could be recovered by brute force.
+            raise ConfigurationError(
+                f"{self.name}: {overlap} cannot be both sensitive and effect fields: the "
+                "fingerprint would let the value be recovered; fingerprint a token instead"
+            )
         for name in self.effect_fields:
             where = unordered_part(self.model.model_fields[name].annotation, name)
             if where is not None:
@@ -255,7 +263,10 @@ class Registry:
         data = _json_form(model, op_type)
         effect = {name: data.get(name) for name in op_type.effect_fields}
         fp = fingerprint(effect)
-        stored = {k: (REDACTED if k in op_type.sensitive_fields else v) for k, v in data.items()}
+        hidden = op_type.sensitive_fields
+        # A sensitive value copied into another field (a description, metadata) goes too.
+        redactor = Redactor.for_request(hidden, [data.get(name) for name in hidden])
+        stored = {k: (REDACTED if k in hidden else redactor.json(v)) for k, v in data.items()}
         amount = data.get("amount")
         currency = data.get("currency")
         new = NewOperation(

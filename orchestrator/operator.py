@@ -1,9 +1,10 @@
-"""Operator actions on one operation: an audited resolution, and a status check on demand.
+"""Operator actions on one operation: an audited resolution, a status check on demand, and
+the acknowledgement that clears a terminal operation's ``needs_attention`` flag.
 
-Both respect the lease: whoever holds a live lease (an executor mid-call, a reconciler
-mid-check) owns the operation until it expires, judged by the database clock. Both write
-through fenced statements, so a concurrent writer makes them fail with ``StaleVersion``
-rather than overwrite what it decided.
+Resolution and recheck respect the lease: whoever holds a live lease (an executor mid-call,
+a reconciler mid-check) owns the operation until it expires, judged by the database clock.
+All three write through fenced statements, so a concurrent writer makes them fail with
+``StaleVersion`` rather than overwrite what it decided.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from .core import State
-from .db import read_in_transaction
+from .db import read_in_transaction, run_in_transaction
 from .errors import (
     InvalidRequest,
     InvalidTransition,
@@ -31,8 +32,11 @@ from .store import Store
 from .tables import db_now, operations
 
 __all__ = [
+    "ACKNOWLEDGED_EVENT",
     "RESOLUTION_EVENT",
     "RecheckResult",
+    "acknowledge",
+    "check_acknowledgeable",
     "check_resolvable",
     "load",
     "recheck",
@@ -41,6 +45,7 @@ __all__ = [
 
 RESOLUTION_EVENT = "operator_resolution"
 RECHECK_EVENT = "operator_recheck"
+ACKNOWLEDGED_EVENT = "acknowledged"
 MAX_ACTOR = 200  # payorch_events.actor
 MAX_REASON = 2000
 MAX_REFERENCE = 255  # payorch_operations.provider_reference
@@ -115,10 +120,10 @@ def check_resolvable(record: OperationRecord, now: datetime) -> None:
         )
 
 
-def _required(value: str | None, name: str, limit: int) -> str:
+def _required(value: str | None, name: str, limit: int, action: str = "a resolution") -> str:
     text = (value or "").strip()
     if not text:
-        raise InvalidRequest(f"a resolution needs a non-empty {name}")
+        raise InvalidRequest(f"{action} needs a non-empty {name}")
     if len(text) > limit:
         raise InvalidRequest(f"{name} is longer than {limit} characters")
     return text
@@ -251,3 +256,89 @@ def recheck(
     return RecheckResult(
         outcome=outcome, before=record, record=store.get(record.tenant_id, record.id)
     )
+
+
+def check_acknowledgeable(record: OperationRecord) -> None:
+    """Refuse what an acknowledgement may not clear: an unflagged or unsettled operation.
+
+    Only a terminal operation is acknowledged: its state stands, and the flag says a human
+    should look at evidence that came after it (a contradicting webhook, a duplicate effect,
+    a late answer). A flagged ``outcome_unknown`` or ``in_progress`` still needs its outcome,
+    so it is rechecked or resolved, never waved through.
+    """
+    if not record.terminal:
+        raise InvalidTransition(
+            f"operation {record.id} is {record.state.value}, not settled: its outcome is still "
+            "open; run `payorch ops recheck` or `payorch ops resolve`, not ack",
+            operation_id=record.id,
+        )
+    if not record.needs_attention:
+        raise InvalidTransition(
+            f"operation {record.id} is not flagged for attention: nothing to acknowledge",
+            operation_id=record.id,
+        )
+
+
+def acknowledge(
+    store: Store,
+    tenant_id: str | None,
+    operation_id: str,
+    *,
+    reason: str,
+    actor: str,
+    expected_version: int | None = None,
+) -> OperationRecord:
+    """Clear a terminal operation's ``needs_attention`` flag: one fenced write, one audit event.
+
+    The state, outcome and evidence stay as they are; the ``acknowledged`` event keeps the
+    actor, the reason and the version that was looked at. ``expected_version`` makes the
+    acknowledgement apply only to the operation as the operator saw it: evidence that
+    arrived in between (a new flag) is refused with ``StaleVersion``, to be looked at first.
+    """
+    reason = _required(reason, "reason", MAX_REASON, "an acknowledgement")
+    actor = _required(actor, "actor", MAX_ACTOR, "an acknowledgement")
+    record, _ = load(store, tenant_id, operation_id)
+    if expected_version is not None and record.version != expected_version:
+        raise StaleVersion(
+            f"operation {record.id} changed since it was shown (version {expected_version}, "
+            f"now {record.version}); look again",
+            operation_id=record.id,
+        )
+    check_acknowledgeable(record)
+    t = operations.c
+    # Fenced on version, and on the state and flag it was judged by: a concurrent writer
+    # makes the UPDATE match nothing, and nothing is written.
+    stmt = (
+        sa.update(operations)
+        .where(
+            t.tenant_id == record.tenant_id,
+            t.id == record.id,
+            t.version == record.version,
+            t.state == record.state.value,
+            t.needs_attention.is_(True),
+        )
+        .values(needs_attention=False, version=t.version + 1, updated_at=db_now())
+        .returning(*operations.c)
+    )
+    detail = {"reason": reason, "state": record.state.value, "version": record.version}
+
+    def txn(conn: Connection) -> OperationRecord:
+        row = conn.execute(stmt).mappings().first()
+        if row is None:
+            raise StaleVersion(
+                f"operation {record.id} changed since version {record.version}; look again",
+                operation_id=record.id,
+            )
+        updated = OperationRecord.from_row(row)
+        store._add_event(
+            conn,
+            updated,
+            kind=ACKNOWLEDGED_EVENT,
+            actor=actor,
+            from_state=None,
+            to_state=None,
+            detail=detail,
+        )
+        return updated
+
+    return run_in_transaction(store.engine, txn)

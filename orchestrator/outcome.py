@@ -91,7 +91,11 @@ def decide(
     pending_check: timedelta,
     not_sent_is_final: bool = True,
 ) -> Decision:
-    """Map a classified answer to a state (NOT_SENT after the caller's retries)."""
+    """Map a classified answer to a state (NOT_SENT after the caller's retries).
+
+    The response keeps the answer's body as given: callers pass an answer already
+    redacted (:meth:`payorch.redaction.Redactor.answer`), as its evidence is.
+    """
     ref = answer.provider_reference
     if answer.kind is AnswerKind.SUCCEEDED:
         return Decision(

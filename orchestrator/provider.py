@@ -18,12 +18,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
-from .deadline import DeadlineExceeded, send_with_deadline
+from .deadline import DeadlineExceeded, asend_with_deadline, send_with_deadline
 
 __all__ = [
     "RAW_EVIDENCE_LIMIT",
     "Answer",
     "AnswerKind",
+    "AsyncProvider",
     "DeadlineExceeded",
     "Provider",
     "StatusQuery",
@@ -31,6 +32,7 @@ __all__ = [
     "WebhookEvent",
     "answer_from_http_status",
     "answer_from_transport_error",
+    "asend_with_deadline",
     "bounded_raw",
     "call_budget",
     "parse_retry_after",
@@ -115,6 +117,12 @@ class WebhookEvent:
     operation_id: str | None = None
     occurred_at: datetime | None = None
     body: Mapping[str, Any] = field(default_factory=dict)
+    # A DECLINED outcome's code, as the adapter's status query would report it for the same
+    # object, so a decline reads the same whichever evidence settled it.
+    code: str | None = None
+    # What happened to the effect after its operation's outcome (e.g. "authorization_released"
+    # for a released manual-capture authorisation): kept as evidence, never a contradiction.
+    lifecycle: str | None = None
 
 
 @runtime_checkable
@@ -141,6 +149,31 @@ class Provider(Protocol):
     def parse_webhook(self, headers: Mapping[str, str], body: bytes) -> WebhookEvent:
         """Verify the signature and parse; raise WebhookRejected subclasses on bad input."""
         ...
+
+
+@runtime_checkable
+class AsyncProvider(Protocol):
+    """The async API's view of an adapter: :class:`Provider`'s calls as coroutines.
+
+    The adapters in ``providers/`` implement both, sharing how a request is built and how an
+    answer is classified; only the sending differs (``httpx.AsyncClient``). Webhook parsing
+    does no I/O and stays synchronous.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def idempotency_window(self) -> timedelta | None: ...
+
+    @property
+    def max_call_duration(self) -> timedelta: ...
+
+    async def asubmit(self, request: SubmitRequest) -> Answer: ...
+
+    async def aquery_status(self, query: StatusQuery) -> Answer: ...
+
+    def parse_webhook(self, headers: Mapping[str, str], body: bytes) -> WebhookEvent: ...
 
 
 def call_budget(timeout: httpx.Timeout) -> timedelta:

@@ -20,11 +20,10 @@ from .db import read_in_transaction
 from .errors import CorruptRecord, InvalidRequest
 from .records import OperationRecord
 from .store import Store
-from .tables import db_now, db_now_plus, events, operations
+from .tables import db_now, db_now_plus, events, is_flagged, operations
 
 __all__ = [
     "CONFLICT_EVENT",
-    "REPLAY_EVENT",
     "Page",
     "Stats",
     "decode_cursor",
@@ -33,9 +32,9 @@ __all__ = [
     "stats",
 ]
 
-# Event kinds the store appends on the existing operation when a claim replays it or refuses
-# a changed fingerprint; ``stats`` counts them over a window.
-REPLAY_EVENT = "replayed"
+# The event the store appends on the existing operation when a claim refuses a changed
+# fingerprint; ``stats`` counts them over a window. Replays are not events: they are counted
+# on the operation (``replays``, ``last_replayed_at``).
 CONFLICT_EVENT = "key_reused"
 MAX_PAGE = 1000
 
@@ -63,7 +62,8 @@ class Stats:
     oldest_unknown_created_at: datetime | None
     needs_attention: int
     by_provider: dict[str, dict[str, int]]
-    replays: int
+    replays: int  # all replays counted on the operations still stored, ever
+    replayed_operations: int  # operations replayed at least once within the window
     conflicts: int
     tenant_id: str | None = None
 
@@ -94,6 +94,7 @@ class Stats:
             "needs_attention": self.needs_attention,
             "by_provider": {p: dict(s) for p, s in self.by_provider.items()},
             "replays": self.replays,
+            "replayed_operations": self.replayed_operations,
             "conflicts": self.conflicts,
         }
 
@@ -155,8 +156,10 @@ def list_operations(
         where.append(t.operation == operation)
     if provider is not None:
         where.append(t.provider == provider)
-    if needs_attention is not None:
-        where.append(t.needs_attention == needs_attention)
+    if needs_attention:
+        where.append(is_flagged())  # as ix_payorch_operations_attention states it
+    elif needs_attention is not None:
+        where.append(sa.not_(t.needs_attention))
     if older_than is not None:
         where.append(t.created_at <= db_now_plus(sa.literal(-older_than.total_seconds())))
     if cursor is not None:
@@ -233,19 +236,21 @@ def stats(store: Store, *, window: timedelta, tenant_id: str | None = None) -> S
         attention = conn.execute(
             sa.select(sa.func.count())
             .select_from(operations)
-            .where(t.needs_attention.is_(True), *scoped(t.tenant_id))
+            .where(is_flagged(), *scoped(t.tenant_id))
         ).scalar_one()
+        since = db_now_plus(sa.literal(-window.total_seconds()))
+        replays, replayed = conn.execute(
+            sa.select(
+                sa.func.coalesce(sa.func.sum(t.replays), 0),
+                sa.func.count(t.last_replayed_at).filter(t.last_replayed_at >= since),
+            ).where(*scoped(t.tenant_id))
+        ).one()
         # ix_payorch_events_kind (tenant_id, kind, created_at) serves this per tenant.
-        counted = conn.execute(
-            sa.select(e.kind, sa.func.count())
-            .where(
-                e.kind.in_((REPLAY_EVENT, CONFLICT_EVENT)),
-                e.created_at >= db_now_plus(sa.literal(-window.total_seconds())),
-                *scoped(e.tenant_id),
-            )
-            .group_by(e.kind)
-        ).all()
-        kinds = {str(kind): int(count) for kind, count in counted}
+        conflicts = conn.execute(
+            sa.select(sa.func.count())
+            .select_from(events)
+            .where(e.kind == CONFLICT_EVENT, e.created_at >= since, *scoped(e.tenant_id))
+        ).scalar_one()
         return Stats(
             now=now,
             window=window,
@@ -254,8 +259,9 @@ def stats(store: Store, *, window: timedelta, tenant_id: str | None = None) -> S
             oldest_unknown_created_at=oldest,
             needs_attention=int(attention),
             by_provider=by_provider,
-            replays=int(kinds.get(REPLAY_EVENT, 0)),
-            conflicts=int(kinds.get(CONFLICT_EVENT, 0)),
+            replays=int(replays),
+            replayed_operations=int(replayed),
+            conflicts=int(conflicts),
         )
 
     return read_in_transaction(store.engine, read)

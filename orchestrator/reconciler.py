@@ -25,6 +25,7 @@ from .operations import REDACTED
 from .outcome import ABANDONED, Decision, settled
 from .provider import AnswerKind, Provider, StatusQuery
 from .records import OperationRecord
+from .redaction import Redactor
 from .store import Store
 from .tables import db_now_plus, operations
 
@@ -181,6 +182,8 @@ class Reconciler:
                 payload=record.request or {},
             )
         )
+        # Only the stored request is at hand: values under its redacted names go.
+        answer = Redactor.of(record.request).answer(answer)
         detail = {
             "query": "status",
             "duration_ms": round((time.monotonic() - started) * 1000, 1),

@@ -1,9 +1,14 @@
 """The reaper: past its retention window a namespace keeps only a tombstone.
 
-A terminal operation whose ``retain_until`` has passed (database clock) loses its request
-and response bodies; the row stays as the tombstone (namespace, fingerprint, final state,
-operation id), so a later claim of that key gets ``IdempotencyKeyExpired`` and nothing runs.
-The event log is the audit trail and is kept.
+A terminal operation whose ``retain_until`` has passed (database clock) loses every body it
+holds: its request and response, the details of its events and the bodies of the webhook
+deliveries filed under it, all in one transaction. What stays is the tombstone (namespace,
+fingerprint, final state, operation id), so a later claim of that key gets
+``IdempotencyKeyExpired`` and nothing runs, and the shape of the audit trail: each event's
+kind, actor, states and time, each delivery's id, type and result.
+
+An operation flagged ``needs_attention`` is never reaped: a human still has to look at it,
+with its evidence. Once acknowledged or resolved it is reaped on the next pass.
 
 The scan reads the partial index ``ix_payorch_operations_retention`` (terminal rows not yet
 reaped) tenant by tenant, since the index leads with ``tenant_id``; the tenants themselves
@@ -22,12 +27,12 @@ from sqlalchemy.engine import Connection
 from .db import read_in_transaction, run_in_transaction
 from .errors import InvalidRequest
 from .store import Store, new_id
-from .tables import TERMINAL_STATE_VALUES, db_now, events, operations
+from .tables import TERMINAL_STATE_VALUES, db_now, events, operations, webhook_inbox
 
 __all__ = ["REAP_EVENT", "ReapReport", "Tombstone", "reap"]
 
 REAP_EVENT = "reaped"
-_STRIPPED = ("request", "response")
+_STRIPPED = ("request", "response", "event_details", "webhook_bodies")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +114,12 @@ def _due(conn: Connection, tenant_id: str, limit: int) -> list[Any]:
                 t.state,
                 t.retain_until,
             )
-            .where(t.tenant_id == tenant_id, _retained(), t.retain_until <= db_now())
+            .where(
+                t.tenant_id == tenant_id,
+                _retained(),
+                t.retain_until <= db_now(),
+                sa.not_(t.needs_attention),  # a flagged one waits for its human
+            )
             .order_by(t.retain_until)
             .limit(limit)
         )
@@ -130,6 +140,26 @@ def _tombstone(row: Any) -> Tombstone:
     )
 
 
+def _strip_evidence(conn: Connection, tenant_id: str, op_id: str) -> dict[str, int]:
+    """Null the event details and webhook bodies of one operation; how many of each.
+
+    Both read an index led by (tenant_id, operation_id). SQL NULL (``sa.null()``), not a
+    JSON null: nothing of the body is left, not even its type.
+    """
+    e, i = events.c, webhook_inbox.c
+    details = conn.execute(
+        sa.update(events)
+        .where(e.tenant_id == tenant_id, e.operation_id == op_id, e.detail.is_not(None))
+        .values(detail=sa.null())
+    ).rowcount
+    bodies = conn.execute(
+        sa.update(webhook_inbox)
+        .where(i.tenant_id == tenant_id, i.operation_id == op_id, i.body.is_not(None))
+        .values(body=sa.null())
+    ).rowcount
+    return {"event_details": int(details), "webhook_bodies": int(bodies)}
+
+
 def _reap_rows(conn: Connection, rows: list[Any], actor: str) -> tuple[list[Tombstone], int]:
     """Reap ``rows`` (each one fenced UPDATE plus its event); returns reaped and skipped."""
     t = operations.c
@@ -144,6 +174,7 @@ def _reap_rows(conn: Connection, rows: list[Any], actor: str) -> tuple[list[Tomb
                 t.version == row["version"],
                 t.state.in_(TERMINAL_STATE_VALUES),
                 t.reaped_at.is_(None),
+                sa.not_(t.needs_attention),
             )
             .values(
                 request=sa.null(),
@@ -157,6 +188,7 @@ def _reap_rows(conn: Connection, rows: list[Any], actor: str) -> tuple[list[Tomb
         if updated is None:
             skipped += 1
             continue
+        cleared = _strip_evidence(conn, row["tenant_id"], row["id"])
         conn.execute(
             sa.insert(events).values(
                 tenant_id=row["tenant_id"],
@@ -171,6 +203,7 @@ def _reap_rows(conn: Connection, rows: list[Any], actor: str) -> tuple[list[Tomb
                     "retain_until": row["retain_until"].isoformat(),
                     "stripped": list(_STRIPPED),
                     "version": updated[0],
+                    **cleared,
                 },
                 created_at=db_now(),
             )

@@ -28,3 +28,9 @@ class Settings(BaseSettings):
     sandbox_webhook_secret: str | None = None
     stripe_api_key: str | None = None
     stripe_webhook_secret: str | None = None
+    # Any Stripe-compatible endpoint: its base URL, and how long it honours Idempotency-Key
+    # (0: it ignores keys, so the reconciler never re-submits; Stripe keeps them 24 hours).
+    stripe_base_url: str = "https://api.stripe.com"
+    stripe_idempotency_window_seconds: float = Field(
+        default=24 * 3600.0, ge=0, le=366 * 86400.0, allow_inf_nan=False
+    )

@@ -13,9 +13,16 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from .records import OperationRecord
-from .tables import db_now, db_now_plus, events, operations
+from .tables import TERMINAL_STATE_VALUES, db_now, db_now_plus, events, operations
 
-__all__ = ["EVENT_INSERT", "build_claim", "build_update", "lease_row"]
+__all__ = [
+    "EVENT_INSERT",
+    "REPLAY_BY_ID",
+    "REPLAY_BY_NAMESPACE",
+    "build_claim",
+    "build_update",
+    "lease_row",
+]
 
 
 def build_claim(insert: Any) -> Any:
@@ -58,6 +65,38 @@ def build_claim(insert: Any) -> Any:
         .returning(*operations.c)
     )
 
+
+def _replay(*where: sa.ColumnElement[bool]) -> Any:
+    """Read a replayable operation and count the replay, in one statement.
+
+    Replayable: terminal, same fingerprint, not reaped. ``version`` and ``updated_at`` stay
+    as they are: a replay is not a change of the operation, and must not fence out an
+    operator (or anyone) holding the version they read.
+    """
+    t = operations.c
+    return (
+        sa.update(operations)
+        .where(
+            *where,
+            t.fingerprint == sa.bindparam("r_fingerprint", type_=t.fingerprint.type),
+            t.state.in_(TERMINAL_STATE_VALUES),
+            t.reaped_at.is_(None),
+        )
+        .values(replays=t.replays + 1, last_replayed_at=db_now())
+        .returning(*operations.c, db_now().label("_now"))
+    )
+
+
+_t = operations.c
+REPLAY_BY_NAMESPACE = _replay(
+    _t.tenant_id == sa.bindparam("r_tenant_id", type_=_t.tenant_id.type),
+    _t.operation == sa.bindparam("r_operation", type_=_t.operation.type),
+    _t.idempotency_key == sa.bindparam("r_idempotency_key", type_=_t.idempotency_key.type),
+)
+REPLAY_BY_ID = _replay(
+    _t.tenant_id == sa.bindparam("r_tenant_id", type_=_t.tenant_id.type),
+    _t.id == sa.bindparam("r_id", type_=_t.id.type),
+)
 
 EVENT_INSERT = sa.insert(events).values(
     **{

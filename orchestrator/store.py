@@ -33,8 +33,15 @@ from .errors import (
     StaleVersion,
 )
 from .records import ClaimResult, EventRecord, NewOperation, OperationRecord
-from .statements import EVENT_INSERT, build_claim, build_update, lease_row
-from .tables import db_now, db_now_plus, events, operations
+from .statements import (
+    EVENT_INSERT,
+    REPLAY_BY_ID,
+    REPLAY_BY_NAMESPACE,
+    build_claim,
+    build_update,
+    lease_row,
+)
+from .tables import db_now, db_now_plus, events, is_active, operations
 from .waiting import NOTIFY_CHANNEL, Listener, wait_until_settled
 
 __all__ = ["NOTIFY_CHANNEL", "QUARANTINE_EVENT", "QUARANTINE_HOLD", "Store", "new_id"]
@@ -45,6 +52,25 @@ _UNSET: Any = object()
 # it. After the hold it is picked (and, if still corrupt, quarantined) again.
 QUARANTINE_EVENT = "quarantined"
 QUARANTINE_HOLD = timedelta(hours=1)
+
+# "In progress" tells a client when to look again, not how long the lease lasts: the lease
+# bounds the whole call with every inline retry (minutes with Stripe's time-outs). Look again
+# after about as long as the attempt has run so far (a quick call is over soon, a slow one
+# is likely to stay slow), at least 1 s, at most this, and not past a live lease's expiry.
+IN_PROGRESS_RETRY_CAP = 5.0
+
+
+def look_again_after(record: OperationRecord, lease_remaining: float) -> float:
+    """Seconds an ``OperationInProgress`` asks the client to wait (``Retry-After``)."""
+    if record.lease_expires_at is None:
+        return 1.0
+    # now = lease_expires_at - lease_remaining (the database's clock), so the time since the
+    # operation's last write is (lease_expires_at - updated_at) - lease_remaining.
+    ran = (record.lease_expires_at - record.updated_at).total_seconds() - lease_remaining
+    wait = min(ran, IN_PROGRESS_RETRY_CAP)
+    if lease_remaining > 0:
+        wait = min(wait, lease_remaining)
+    return max(1.0, round(wait, 1))
 
 
 def new_id() -> str:
@@ -130,6 +156,12 @@ class Store:
             "c_lease_s": lease_s,
         }
 
+        replay_params = {
+            "r_tenant_id": new.tenant_id,
+            "r_operation": new.operation,
+            "r_idempotency_key": new.idempotency_key,
+            "r_fingerprint": new.fingerprint,
+        }
         attempted: list[tuple[OperationRecord, bool, float]] = []  # what the COMMIT carried
 
         def txn(conn: Connection) -> tuple[OperationRecord, bool, float]:
@@ -148,25 +180,34 @@ class Store:
                 )
                 attempted.append((record, True, 0.0))
                 return record, True, 0.0
-            found = (
-                conn.execute(
-                    sa.select(operations, db_now().label("_now")).where(
-                        operations.c.tenant_id == new.tenant_id,
-                        operations.c.operation == new.operation,
-                        operations.c.idempotency_key == new.idempotency_key,
+            # A replay (the common duplicate) is read and counted by one statement; only
+            # what is not a replay is read as it stands.
+            found = conn.execute(REPLAY_BY_NAMESPACE, replay_params).mappings().first()
+            counted = found is not None
+            if found is None:
+                found = (
+                    conn.execute(
+                        sa.select(operations, db_now().label("_now")).where(
+                            operations.c.tenant_id == new.tenant_id,
+                            operations.c.operation == new.operation,
+                            operations.c.idempotency_key == new.idempotency_key,
+                        )
                     )
+                    .mappings()
+                    .one()
                 )
-                .mappings()
-                .one()
-            )
             existing = OperationRecord.from_row(found)
             remaining = 0.0
             if existing.lease_expires_at is not None:
                 remaining = (existing.lease_expires_at - found["_now"]).total_seconds()
-            # Conflicts and replays go to the operation's log (stats, audit); the operation
-            # row itself is never touched by a duplicate.
+            # Conflicts go to the operation's log (stats, audit); replays are only counted
+            # on the row (replays, last_replayed_at), never logged one by one.
             noted = _duplicate_kind(existing, new)
-            if noted is not None:
+            if noted == "replayed" and not counted:
+                # It became terminal between the two reads (PostgreSQL reads each statement
+                # afresh): count this replay too.
+                existing = self._count_replay(conn, existing) or existing
+            elif noted is not None and noted != "replayed":
                 self._add_event(
                     conn,
                     existing,
@@ -219,6 +260,12 @@ class Store:
             record = self.wait_until_settled(record, wait)
             if record.state is State.IN_PROGRESS and record.lease_expires_at is not None:
                 lease_remaining = (record.lease_expires_at - self.db_time()).total_seconds()
+            elif record.terminal:  # the wait ended in a replay: count it like any other
+                settled = record
+                counted = run_in_transaction(
+                    self.engine, lambda conn: self._count_replay(conn, settled)
+                )
+                record = counted or record
         if record.terminal:
             return ClaimResult(operation=record, created=False, replayed=True)
         if record.state is State.OUTCOME_UNKNOWN:
@@ -226,7 +273,7 @@ class Store:
         raise OperationInProgress(
             f"operation {record.id} is in progress",
             operation_id=record.id,
-            retry_after=max(1.0, round(lease_remaining, 1)),
+            retry_after=look_again_after(record, lease_remaining),
         )
 
     # -- reads ------------------------------------------------------------------------
@@ -483,7 +530,7 @@ class Store:
             pick = (
                 sa.select(t.tenant_id, t.id, t.version)
                 .where(
-                    t.state.in_(("in_progress", "outcome_unknown")),
+                    is_active(),  # literals: the partial index's predicate, as written
                     t.next_check_at <= db_now(),
                     sa.or_(t.lease_expires_at.is_(None), t.lease_expires_at <= db_now()),
                     t.tenant_id.in_(sorted(tenant_ids)) if tenant_ids is not None else sa.true(),
@@ -652,6 +699,22 @@ class Store:
                 "e_detail": {"error": type(exc).__name__, "problem": exc.problem},
             },
         )
+
+    def _count_replay(self, conn: Connection, record: OperationRecord) -> OperationRecord | None:
+        """Count one replay of ``record`` (terminal, not reaped); the row as it is now."""
+        row = (
+            conn.execute(
+                REPLAY_BY_ID,
+                {
+                    "r_tenant_id": record.tenant_id,
+                    "r_id": record.id,
+                    "r_fingerprint": record.fingerprint,
+                },
+            )
+            .mappings()
+            .first()
+        )
+        return OperationRecord.from_row(row) if row is not None else None
 
     def _insert(self, table: sa.Table) -> Any:
         return postgresql.insert(table) if self.is_postgres else sqlite.insert(table)

@@ -2,7 +2,14 @@
 
 The schema itself is created only by the Alembic migrations in ``alembic/versions``; these
 definitions mirror them for queries (a test checks the two agree). Every key and index leads
-with ``tenant_id`` so the tables can be distributed by tenant.
+with ``tenant_id`` so the tables can be distributed by tenant, with one documented exception:
+``ix_payorch_operations_id``, a plain (not unique) index on ``id`` for operator look-ups by id
+alone. Not being unique, it constrains nothing across tenants, so it shards like any other.
+
+A partial index serves a query only when the query's WHERE holds the index's predicate as
+written: SQLite matches the term textually and PostgreSQL cannot prove it from bound
+parameters in a generic plan. Queries therefore take those predicates from the helpers here
+(:func:`is_active`, :func:`is_flagged`), rendered with literals, never bound values.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ __all__ = [
     "db_now",
     "db_now_plus",
     "events",
+    "is_active",
+    "is_flagged",
     "metadata",
     "operations",
     "webhook_inbox",
@@ -173,6 +182,10 @@ operations = sa.Table(
     sa.Column("completed_at", UTCDateTime()),
     sa.Column("retain_until", UTCDateTime()),
     sa.Column("reaped_at", UTCDateTime()),
+    # Replays are counted on the operation, not logged: the event log grows with state
+    # changes, not with client retries.
+    sa.Column("replays", sa.Integer, nullable=False, server_default=sa.text("0")),
+    sa.Column("last_replayed_at", UTCDateTime()),
     sa.PrimaryKeyConstraint("tenant_id", "id", name="pk_payorch_operations"),
     sa.UniqueConstraint(
         "tenant_id", "operation", "idempotency_key", name="uq_payorch_operations_namespace"
@@ -195,7 +208,33 @@ operations = sa.Table(
         postgresql_where=sa.text("reaped_at IS NULL AND retain_until IS NOT NULL"),
         sqlite_where=sa.text("reaped_at IS NULL AND retain_until IS NOT NULL"),
     ),
+    # Operator look-up by id alone (``ops show <id>``): the schema's one index not led by
+    # tenant_id. Not unique, so it shards (each shard indexes its own rows).
+    sa.Index("ix_payorch_operations_id", "id"),
+    # The attention queue: only flagged rows, newest first per tenant; without a tenant
+    # the (small) index is read whole and sorted.
+    sa.Index(
+        "ix_payorch_operations_attention",
+        "tenant_id",
+        "created_at",
+        "id",
+        postgresql_where=sa.text("needs_attention"),
+        sqlite_where=sa.text("needs_attention = 1"),
+    ),
 )
+
+
+def is_active() -> sa.ColumnElement[bool]:
+    """``state IN ('in_progress', 'outcome_unknown')`` exactly as ``ix_payorch_operations_active``
+    states it, with literals, so both planners may read that partial index."""
+    return operations.c.state.in_([sa.literal_column(f"'{s}'") for s in ACTIVE_STATE_VALUES])
+
+
+def is_flagged() -> sa.ColumnElement[bool]:
+    """``needs_attention`` as ``ix_payorch_operations_attention`` states it on each dialect
+    (PostgreSQL: the bare boolean; SQLite: ``= 1``), so its planner may read that index."""
+    return sa.and_(operations.c.needs_attention)
+
 
 events = sa.Table(
     "payorch_events",
@@ -228,4 +267,6 @@ webhook_inbox = sa.Table(
     sa.Column("received_at", UTCDateTime(), nullable=False),
     sa.PrimaryKeyConstraint("tenant_id", "provider", "event_id", name="pk_payorch_webhook_inbox"),
     sa.Index("ix_payorch_webhook_inbox_result", "tenant_id", "result", "received_at"),
+    # The reaper clears the bodies of one operation's deliveries.
+    sa.Index("ix_payorch_webhook_inbox_operation", "tenant_id", "operation_id"),
 )

@@ -4,27 +4,64 @@ Waiters re-read the operation at least once a second, so a wait is correct on it
 PostgreSQL one listener per store (a single connection, LISTEN, outside the pool) wakes them
 as soon as the store's NOTIFY says their operation left ``in_progress``. However many
 requests wait, they cost one connection; if that connection fails, waiters simply poll.
+
+Under the async API (:mod:`payorch.bridge`) a wait never blocks the event loop: naps are
+``asyncio.sleep`` and the listener thread wakes a waiter through its loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from .bridge import bridged, pause, wait_for
 from .core import State
 from .records import OperationRecord
 
 if TYPE_CHECKING:
     from .store import Store
 
-__all__ = ["NOTIFY_CHANNEL", "Listener", "wait_until_settled"]
+__all__ = ["NOTIFY_CHANNEL", "Listener", "LoopWaker", "Waker", "wait_until_settled"]
 
 NOTIFY_CHANNEL = "payorch_operations"
 _POLL_CAP = 1.0  # seconds between re-reads, notification or not
 _RECONNECT_DELAY = 1.0
+
+
+class Waker:
+    """What a waiter naps on: set from the listener thread, cleared after each nap."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def nap(self, seconds: float) -> None:
+        self._event.wait(seconds)
+        self._event.clear()
+
+
+class LoopWaker(Waker):
+    """A waiter on an event loop: the listener thread hands the wake-up to that loop."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._woken = asyncio.Event()
+
+    def set(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            self._loop.call_soon_threadsafe(self._woken.set)
+
+    def nap(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            wait_for(asyncio.wait_for(self._woken.wait(), seconds))
+        self._woken.clear()
 
 
 class Listener:
@@ -33,12 +70,12 @@ class Listener:
     def __init__(self, dsn: str) -> None:
         self._dsn = dsn
         self._lock = threading.Lock()
-        self._waiters: dict[str, set[threading.Event]] = {}
+        self._waiters: dict[str, set[Waker]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def register(self, key: str) -> threading.Event:
-        event = threading.Event()
+    def register(self, key: str) -> Waker:
+        event = LoopWaker() if bridged() else Waker()
         with self._lock:
             self._waiters.setdefault(key, set()).add(event)
             if self._thread is None or not self._thread.is_alive():
@@ -48,7 +85,7 @@ class Listener:
                 self._thread.start()
         return event
 
-    def unregister(self, key: str, event: threading.Event) -> None:
+    def unregister(self, key: str, event: Waker) -> None:
         with self._lock:
             events = self._waiters.get(key)
             if events is not None:
@@ -88,16 +125,11 @@ def wait_until_settled(store: Store, record: OperationRecord, wait: timedelta) -
     deadline = time.monotonic() + wait.total_seconds()
     listener = store.listener()
     if listener is None:  # SQLite: poll with backoff
-        return _poll(store, record, deadline, nap=time.sleep, first=0.02, cap=0.25)
+        return _poll(store, record, deadline, nap=pause, first=0.02, cap=0.25)
     key = f"{record.tenant_id}:{record.id}"
     woken = listener.register(key)
-
-    def nap(seconds: float) -> None:
-        woken.wait(seconds)
-        woken.clear()
-
     try:
-        return _poll(store, record, deadline, nap=nap, first=_POLL_CAP, cap=_POLL_CAP)
+        return _poll(store, record, deadline, nap=woken.nap, first=_POLL_CAP, cap=_POLL_CAP)
     finally:
         listener.unregister(key, woken)
 

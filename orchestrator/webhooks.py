@@ -7,6 +7,11 @@ answers with 200, so providers stop re-sending what payorch has already taken.
 The inbox row is inserted (``ON CONFLICT DO NOTHING``) in the same transaction as whatever
 the event writes: two concurrent deliveries of one event cannot both take effect, and a
 crash cannot apply an event without deduplicating it, or the reverse.
+
+A verified event that could not be stored as it is (an id, type or reference longer than its
+column, text the database cannot hold) is refused with :class:`WebhookUnstorable` (400)
+before anything is read or written: storing it by a digest would dedupe it, but under an id
+nobody can look up, and a 503 would make the provider re-send it for days.
 """
 
 from __future__ import annotations
@@ -14,18 +19,20 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from .core import State, operation_id_from_downstream_key, validate_tenant
 from .db import read_in_transaction, run_in_transaction
-from .errors import OperationNotFound, StaleVersion, UnknownProvider
+from .errors import OperationNotFound, StaleVersion, UnknownProvider, WebhookUnstorable
 from .outcome import contradicts, settled
 from .provider import Answer, AnswerKind, Provider, WebhookEvent
 from .records import OperationRecord
+from .redaction import Redactor
 from .store import Store
-from .tables import db_now, webhook_inbox
+from .tables import db_now, operations, webhook_inbox
 
 __all__ = ["WebhookHandler", "WebhookResult", "WebhookStatus"]
 
@@ -56,6 +63,55 @@ class _AlreadyHandled(Exception):
 
 _TARGET = {AnswerKind.SUCCEEDED: State.SUCCEEDED, AnswerKind.DECLINED: State.FAILED_FINAL}
 _CODE = {State.SUCCEEDED: None, State.FAILED_FINAL: "declined"}
+_MAX_CODE = 100  # payorch_operations.error_code
+
+
+def _column_length(column: sa.Column[str]) -> int:
+    length = getattr(column.type, "length", None)
+    assert isinstance(length, int)
+    return length
+
+
+# What a verified event writes into fixed-width columns: (label, field, column width).
+_LIMITS = (
+    ("event id", "event_id", _column_length(webhook_inbox.c.event_id)),
+    ("event type", "event_type", _column_length(webhook_inbox.c.event_type)),
+    ("provider reference", "provider_reference", _column_length(operations.c.provider_reference)),
+)
+
+
+def _unstorable(text: str) -> str | None:
+    """Why the database cannot hold ``text`` (PostgreSQL refuses NUL; UTF-8 lone surrogates)."""
+    if "\x00" in text:
+        return "contains a NUL character"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid Unicode (a lone surrogate)"
+    return None
+
+
+def check_storable(event: WebhookEvent) -> None:
+    """Refuse (400, nothing written) a verified event whose fields no column can hold."""
+    for label, name, limit in _LIMITS:
+        value = getattr(event, name)
+        if value is None:
+            continue
+        if len(value) > limit:
+            raise WebhookUnstorable(
+                f"webhook {label} is {len(value)} characters long; at most {limit} are stored"
+            )
+        problem = _unstorable(value)
+        if problem is not None:
+            raise WebhookUnstorable(f"webhook {label} {problem}")
+
+
+def _lookup_id(value: str | None) -> str | None:
+    # An id taken from the event's metadata or key: one that no row can hold finds nothing
+    # (and must not reach the database, which may refuse it outright).
+    if value is None or len(value) > _column_length(operations.c.id) or _unstorable(value):
+        return None
+    return value
 
 
 class WebhookHandler:
@@ -74,6 +130,7 @@ class WebhookHandler:
         if adapter is None:
             raise UnknownProvider(f"no provider named {provider!r} is configured")
         event = adapter.parse_webhook(headers, body)  # raises WebhookRejected: nothing changed
+        check_storable(event)  # before the first query: nothing read, nothing written
         duplicate = WebhookResult(status=WebhookStatus.DUPLICATE, event_id=event.event_id)
         if self._seen(tenant_id, provider, event.event_id):  # fast path; the insert decides
             return duplicate
@@ -105,9 +162,9 @@ class WebhookHandler:
         )
 
     def _find(self, tenant_id: str, provider: str, event: WebhookEvent) -> OperationRecord | None:
-        op_id = event.operation_id
+        op_id = _lookup_id(event.operation_id)
         if op_id is None and event.downstream_key:
-            op_id = operation_id_from_downstream_key(event.downstream_key)
+            op_id = _lookup_id(operation_id_from_downstream_key(event.downstream_key))
         if op_id is not None:
             try:
                 found = self.store.get(tenant_id, op_id)
@@ -127,6 +184,11 @@ class WebhookHandler:
             "outcome": event.outcome.value,
             "provider_reference": event.provider_reference,
         }
+        if event.code is not None:
+            detail["code"] = event.code
+        if event.lifecycle is not None:
+            # What became of the effect afterwards (e.g. a released authorisation).
+            detail["lifecycle"] = event.lifecycle
         target = _TARGET.get(event.outcome)
         if contradicts(record.state, event.outcome):
             # A second, different final word: keep both, change nothing, call a human.
@@ -150,7 +212,9 @@ class WebhookHandler:
             )
             return inbox.result(WebhookStatus.RECORDED, record)
         ref = event.provider_reference or record.provider_reference
-        decision = settled(Answer(kind=event.outcome, provider_reference=ref, code=_CODE[target]))
+        # The adapter's code, as its status query would store it for the same decline.
+        code = (event.code or "")[:_MAX_CODE] or _CODE[target]
+        decision = settled(Answer(kind=event.outcome, provider_reference=ref, code=code))
         assert decision is not None  # target is terminal, so the evidence is final
         updated = self.store.transition(
             record,
@@ -166,6 +230,16 @@ class WebhookHandler:
             also=inbox.claim(WebhookStatus.APPLIED),
         )
         return inbox.result(WebhookStatus.APPLIED, updated)
+
+
+def _stored_body(event: WebhookEvent, record: OperationRecord | None) -> dict[str, Any] | None:
+    """The event body as the inbox keeps it: what it echoes of the operation's sensitive
+    fields redacted (an unmatched event has no request to redact by). An operation past
+    retention keeps no bodies: its late deliveries are kept by id and type only."""
+    if record is not None and record.reaped_at is not None:
+        return None
+    body = dict(event.body)
+    return Redactor.of(record.request).json(body) if record is not None else body
 
 
 class _Inbox:
@@ -188,7 +262,7 @@ class _Inbox:
                     event_type=self.event.event_type,
                     operation_id=record.id if record is not None else None,
                     result=status.value,
-                    body=dict(self.event.body),
+                    body=_stored_body(self.event, record),
                     received_at=db_now(),
                 )
                 .on_conflict_do_nothing()

@@ -398,8 +398,8 @@ def test_recheck_refuses_a_live_lease(db_url: str, store: Store, world: World) -
 
 
 def test_stats(db_url: str, store: Store, world: World) -> None:
-    store.append_event(world.succeeded, kind="replayed", actor="executor", detail={})
-    store.append_event(world.succeeded, kind="replayed", actor="executor", detail={})
+    assert claim(store, "k-ok").id == world.succeeded.id  # two replays, counted on the row
+    assert claim(store, "k-ok").id == world.succeeded.id
     store.append_event(world.failed, kind="key_reused", actor="executor", detail={})
     result = run(db_url, "stats", "--json", "--window", "1h")
     assert result.exit_code == 0, result.output
@@ -411,14 +411,15 @@ def test_stats(db_url: str, store: Store, world: World) -> None:
         "failed_final": 1,
     }
     assert data["needs_attention"] == 1
-    assert (data["replays"], data["conflicts"]) == (2, 1)
+    assert (data["replays"], data["replayed_operations"], data["conflicts"]) == (2, 1, 1)
     assert data["by_provider"]["stripe"] == {"outcome_unknown": 1}
     assert data["oldest_unknown_created_at"] == world.unknown.created_at.isoformat()
     assert data["oldest_unknown_age_seconds"] >= 0
     assert stats(store, window=timedelta(hours=1), tenant_id="shop-b").total == 2
     table = run(db_url, "stats")
     assert table.exit_code == 0
-    assert "2 replays" in table.stdout and "needs attention: 1" in table.stdout
+    assert "1 operations replayed" in table.stdout and "replays in all: 2" in table.stdout
+    assert "needs attention: 1" in table.stdout
 
 
 @pytest.mark.parametrize(

@@ -113,7 +113,7 @@ def test_every_503_says_when_and_with_the_same_key(err: StorageError) -> None:
     assert answer.body["retry"] == "same_key"
     assert answer.body["type"] == err.problem_type
     # The database's own words (hosts, SQL) stay on the exception.
-    assert err.message not in answer.body["message"]
+    assert err.message not in answer.body["detail"]
 
 
 def test_every_error_class_answers_with_its_type_and_every_503_with_retry_after() -> None:
@@ -126,6 +126,9 @@ def test_every_error_class_answers_with_its_type_and_every_503_with_retry_after(
         err = cls("x", **special.get(name, {}))  # type: ignore[arg-type]
         answer = http_answer(err)
         assert answer.body["type"] == cls.problem_type
+        assert answer.content_type == "application/problem+json"
+        assert answer.body["status"] == answer.status and answer.body["title"]
+        assert answer.body["detail"]
         if answer.status == 503:
             assert int(answer.headers["Retry-After"]) >= 1
 

@@ -8,6 +8,11 @@ from payorch import errors
 EXPECTED = [
     "Answer",
     "AnswerKind",
+    "AsyncExecutor",
+    "AsyncProvider",
+    "AsyncReconciler",
+    "AsyncStore",
+    "AsyncWebhookHandler",
     "ClaimResult",
     "CommitUncertain",
     "ConfigurationError",
@@ -40,6 +45,7 @@ EXPECTED = [
     "ReconcilerDaemon",
     "ReconcilerPolicy",
     "Registry",
+    "RequestBodyNotJson",
     "RequestValidationFailed",
     "RetryPolicy",
     "Settings",
@@ -60,8 +66,12 @@ EXPECTED = [
     "WebhookResult",
     "WebhookSignatureInvalid",
     "WebhookStatus",
+    "WebhookUnstorable",
     "default_registry",
     "http_answer",
+    "parse_idempotency_key",
+    "parse_json_body",
+    "webhook_answer",
 ]
 
 

@@ -94,7 +94,12 @@ def test_reap_leaves_a_tombstone_and_an_event(store: Store) -> None:
         )
         reaped = [e for e in store.events(after.tenant_id, after.id) if e.kind == "reaped"]
         assert len(reaped) == 1 and reaped[0].detail is not None
-        assert reaped[0].detail["stripped"] == ["request", "response"]
+        assert reaped[0].detail["stripped"] == [
+            "request",
+            "response",
+            "event_details",
+            "webhook_bodies",
+        ]
     for untouched in (kept, active):
         assert store.get(untouched.tenant_id, untouched.id) == untouched
     assert reap(store).reaped == 0  # nothing left to do

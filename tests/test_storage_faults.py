@@ -192,7 +192,7 @@ def assert_same_key_answer(err: OutcomeNotRecorded) -> None:
     assert answer.body["retry"] == "same_key"
     assert answer.body["type"] == err.problem_type
     assert answer.headers["Payorch-Operation-Id"] == err.operation_id
-    assert "new key" not in answer.body["message"].replace("never with a new one", "")
+    assert "new key" not in answer.body["detail"].replace("never with a new one", "")
 
 
 def test_a_lost_commit_answer_on_the_claim_is_never_nothing_happened(

@@ -9,6 +9,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -24,6 +25,7 @@ from payorch.errors import (
 from payorch.operations import default_registry
 from payorch.records import OperationRecord
 from payorch.store import Store
+from payorch.tables import operations
 
 KEYS = ("a", "b", "c")
 AMOUNTS = (100, 200)
@@ -48,6 +50,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.latest: dict[str, OperationRecord] = {}
         self.stale: dict[str, OperationRecord] = {}  # an older snapshot, if any
         self.writes = 0  # events the store must hold
+        self.replays: dict[str, int] = {}  # counted on the row, not logged
 
     def teardown(self) -> None:
         self.store.close()
@@ -83,7 +86,8 @@ class StoreMachine(RuleBasedStateMachine):
             res = self.store.claim(new, owner="w", lease=LEASE)  # type: ignore[arg-type]
             assert not res.created and res.operation.id == current.id
             assert res.replayed is current.state.terminal
-            self.writes += 1 if current.state.terminal else 0
+            if current.state.terminal:
+                self.replays[key] = self.replays.get(key, 0) + 1
 
     @precondition(lambda self: bool(self.latest))
     @rule(data=st.data(), to=st.sampled_from(list(State)))
@@ -111,10 +115,15 @@ class StoreMachine(RuleBasedStateMachine):
     @invariant()
     def store_matches_model(self) -> None:
         events = 0
-        for record in self.latest.values():
+        for key, record in self.latest.items():
             stored = self.store.get("t", record.id)
             assert stored.state is record.state and stored.version == record.version
             events += len(self.store.events("t", record.id))
+            with self.store.engine.connect() as conn:
+                replays = conn.execute(
+                    sa.select(operations.c.replays).where(operations.c.id == record.id)
+                ).scalar_one()
+            assert replays == self.replays.get(key, 0)
         assert events == self.writes
 
 

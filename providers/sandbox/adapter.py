@@ -4,6 +4,10 @@ Every httpx exception is caught here, once, and classified by
 :func:`payorch.provider.answer_from_transport_error`; nothing from httpx escapes. Every
 call runs under :func:`payorch.provider.send_with_deadline`, so ``max_call_duration``
 (the deadline) bounds it whatever the server does.
+
+It is also a :class:`payorch.provider.AsyncProvider` (``asubmit``, ``aquery_status``) over
+``httpx.AsyncClient``: the requests are built and the answers classified by the same code;
+only the sending differs.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from payorch.provider import (
     WebhookEvent,
     answer_from_http_status,
     answer_from_transport_error,
+    asend_with_deadline,
     bounded_raw,
     call_budget,
     parse_retry_after,
@@ -93,6 +98,8 @@ class SandboxProvider:
         client: httpx.Client | None = None,
         transport: httpx.BaseTransport | None = None,
         name: str = "sandbox",
+        async_client: httpx.AsyncClient | None = None,
+        async_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         # The whole call's bound; by default every time-out phase added up.
         budget = call_budget(timeout)  # refuses a time-out phase left None
@@ -102,6 +109,8 @@ class SandboxProvider:
             raise ConfigurationError(f"the call deadline must be positive, not {deadline!r}")
         if client is not None and transport is not None:
             raise ValueError("pass client or transport, not both")
+        if async_client is not None and async_transport is not None:
+            raise ValueError("pass async_client or async_transport, not both")
         try:
             parsed = httpx.URL(base_url)
         except httpx.InvalidURL as exc:
@@ -124,6 +133,10 @@ class SandboxProvider:
         self._owns_client = client is None
         # The time-out is also passed on every request, so a caller's client cannot loosen it.
         self._client = client or httpx.Client(timeout=timeout, transport=transport)
+        # Created on first async use, so a sync-only user never opens one.
+        self._aclient = async_client
+        self._owns_aclient = async_client is None
+        self._async_transport = async_transport
 
     # -- Provider --------------------------------------------------------------------------
 
@@ -140,39 +153,35 @@ class SandboxProvider:
         return self._deadline
 
     def submit(self, request: SubmitRequest) -> Answer:
-        payload = dict(request.payload)
-        extra = payload.get("metadata")
-        metadata = dict(extra) if isinstance(extra, Mapping) else {}
-        metadata.update(operation_id=request.operation_id, tenant_id=request.tenant_id)
-        payload["metadata"] = metadata
-        url = f"{self._base_url}/v1/operations/{quote(request.operation, safe='')}"
         try:
-            response = self._send(
-                self._client.build_request(
-                    "POST",
-                    url,
-                    json=payload,
-                    headers={"Idempotency-Key": request.downstream_key},
-                    timeout=self._timeout,
-                )
-            )
+            response = self._send(self._submit_request(self._client, request))
         except httpx.HTTPError as exc:
             return answer_from_transport_error(exc)
         return self._classify_submit(response, request)
 
     def query_status(self, query: StatusQuery) -> Answer:
-        if query.provider_reference:
-            url = f"{self._base_url}/v1/effects/{quote(query.provider_reference, safe='')}"
-            params: dict[str, str] = {}
-        else:
-            url = f"{self._base_url}/v1/effects"
-            params = {"idempotency_key": query.downstream_key}
         try:
-            response = self._send(
-                self._client.build_request("GET", url, params=params, timeout=self._timeout)
-            )
+            response = self._send(self._query_request(self._client, query))
         except httpx.HTTPError as exc:
             # NOT_SENT or AMBIGUOUS: for a read both only mean "unavailable, ask later".
+            return answer_from_transport_error(exc)
+        return self._classify_query(response, by_reference=bool(query.provider_reference))
+
+    # -- AsyncProvider: the same requests and classification, sent by httpx.AsyncClient --
+
+    async def asubmit(self, request: SubmitRequest) -> Answer:
+        client = self._async_client()
+        try:
+            response = await self._asend(self._submit_request(client, request))
+        except httpx.HTTPError as exc:
+            return answer_from_transport_error(exc)
+        return self._classify_submit(response, request)
+
+    async def aquery_status(self, query: StatusQuery) -> Answer:
+        client = self._async_client()
+        try:
+            response = await self._asend(self._query_request(client, query))
+        except httpx.HTTPError as exc:
             return answer_from_transport_error(exc)
         return self._classify_query(response, by_reference=bool(query.provider_reference))
 
@@ -195,10 +204,51 @@ class SandboxProvider:
             raise WebhookMalformed("webhook body is not JSON") from exc
         return self._event_from(event, lowered)
 
+    def _submit_request(
+        self, client: httpx.Client | httpx.AsyncClient, request: SubmitRequest
+    ) -> httpx.Request:
+        payload = dict(request.payload)
+        extra = payload.get("metadata")
+        metadata = dict(extra) if isinstance(extra, Mapping) else {}
+        metadata.update(operation_id=request.operation_id, tenant_id=request.tenant_id)
+        payload["metadata"] = metadata
+        return client.build_request(
+            "POST",
+            f"{self._base_url}/v1/operations/{quote(request.operation, safe='')}",
+            json=payload,
+            headers={"Idempotency-Key": request.downstream_key},
+            timeout=self._timeout,
+        )
+
+    def _query_request(
+        self, client: httpx.Client | httpx.AsyncClient, query: StatusQuery
+    ) -> httpx.Request:
+        if query.provider_reference:
+            url = f"{self._base_url}/v1/effects/{quote(query.provider_reference, safe='')}"
+            params: dict[str, str] = {}
+        else:
+            url = f"{self._base_url}/v1/effects"
+            params = {"idempotency_key": query.downstream_key}
+        return client.build_request("GET", url, params=params, timeout=self._timeout)
+
     def _send(self, request: httpx.Request) -> httpx.Response:
         return send_with_deadline(
             self._client, request, deadline=time.monotonic() + self._deadline.total_seconds()
         )
+
+    async def _asend(self, request: httpx.Request) -> httpx.Response:
+        return await asend_with_deadline(
+            self._async_client(),
+            request,
+            deadline=time.monotonic() + self._deadline.total_seconds(),
+        )
+
+    def _async_client(self) -> httpx.AsyncClient:
+        if self._aclient is None:
+            self._aclient = httpx.AsyncClient(
+                timeout=self._timeout, transport=self._async_transport
+            )
+        return self._aclient
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -211,6 +261,19 @@ class SandboxProvider:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    async def aclose(self) -> None:
+        """Close both clients this adapter opened (the async one on its own loop)."""
+        self.close()
+        if self._owns_aclient and self._aclient is not None:
+            await self._aclient.aclose()
+            self._aclient = None
+
+    async def __aenter__(self) -> SandboxProvider:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
     # -- classification --------------------------------------------------------------------
 
@@ -325,6 +388,12 @@ class SandboxProvider:
             ),
             occurred_at=occurred_at,
             body=event,
+            # The same code a status query stores for this decline.
+            code=(
+                _str_or_none(effect.get("decline_code")) or "declined"
+                if outcome is AnswerKind.DECLINED
+                else None
+            ),
         )
 
 

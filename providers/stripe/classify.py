@@ -28,12 +28,15 @@ from payorch.provider import (
 )
 
 __all__ = [
+    "AUTHORIZATION_RELEASED",
     "PAYMENT_CAPTURE",
     "PAYMENT_CREATE",
     "REFUND_CREATE",
     "REFUND_KINDS",
     "SUPPORTED_OPERATIONS",
     "Reply",
+    "authorization_released",
+    "decline_code",
     "failure_answer",
     "object_answer",
     "pick_answer",
@@ -65,6 +68,9 @@ _CAPTURE_KINDS: Mapping[str, AnswerKind] = {"succeeded": _S, "processing": _P, "
 _CAPTURE_NOT_APPLIED = frozenset(
     {"requires_capture", "requires_payment_method", "requires_confirmation", "requires_action"}
 )
+# The lifecycle of a manual-capture payment.create's effect after it succeeded: the hold was
+# released (canceled by the merchant, or by Stripe when it expired uncaptured).
+AUTHORIZATION_RELEASED = "authorization_released"
 REFUND_KINDS: Mapping[str, AnswerKind] = {
     "succeeded": _S,
     "pending": _P,
@@ -256,13 +262,41 @@ def _error_answer(
     return answer(AnswerKind.AMBIGUOUS, code)
 
 
-def _decline_code(obj: Mapping[str, Any], status: str) -> str:
+def decline_code(obj: Mapping[str, Any]) -> str:
+    """The error code of a declined PaymentIntent or Refund, however the decline was learnt.
+
+    The one source for the status query and the webhook, so that an operation settled by
+    either stores the same ``error_code``: the issuer's ``decline_code`` (e.g.
+    ``insufficient_funds``), else the error ``code`` (``card_declined``) of the last payment
+    attempt, else a refund's ``failure_reason`` or the intent's ``cancellation_reason``, else
+    its status.
+    """
     last = obj.get("last_payment_error")
+    found = None
     if isinstance(last, dict):
         found = _text(last.get("decline_code")) or _text(last.get("code"))
-        if found:
-            return found
-    return _text(obj.get("failure_reason")) or _text(obj.get("cancellation_reason")) or status
+    found = found or _text(obj.get("failure_reason")) or _text(obj.get("cancellation_reason"))
+    return _clip(found or _text(obj.get("status")) or "declined") or "declined"
+
+
+def authorization_released(obj: Mapping[str, Any]) -> bool:
+    """Whether a canceled PaymentIntent had been authorised (``requires_capture``) first.
+
+    Stripe cancels an intent from ``requires_capture`` (refunding the held amount) as from the
+    statuses before any authorisation, and the canceled object does not keep the status it
+    left, so the evidence is indirect: only a manual-capture intent holds an authorisation,
+    its latest charge is the authorised one when the last attempt did not fail (a failed
+    attempt leaves ``last_payment_error`` and a failed charge), and an expanded charge says it
+    itself (``succeeded``, not captured).
+    """
+    if obj.get("status") != "canceled" or obj.get("capture_method") != "manual":
+        return False
+    if obj.get("last_payment_error"):
+        return False
+    charge = obj.get("latest_charge")
+    if isinstance(charge, dict):
+        return charge.get("status") == "succeeded" and charge.get("captured") is not True
+    return _text(charge) is not None
 
 
 def object_answer(
@@ -312,12 +346,17 @@ def object_answer(
             body=body,
         )
 
+    released = operation == PAYMENT_CREATE and authorization_released(fields)
     if operation == REFUND_CREATE:
         kind = REFUND_KINDS.get(status)
     elif operation == PAYMENT_CAPTURE:
         kind = _CAPTURE_KINDS.get(status)
         if kind is None and query and status in _CAPTURE_NOT_APPLIED:
             kind = AnswerKind.NOT_FOUND
+    elif released:
+        # The authorisation payment.create asked for was granted, then released: that is what
+        # became of the effect afterwards, not a decline of the operation.
+        kind = AnswerKind.SUCCEEDED
     else:
         kind = _PAYMENT_KINDS.get(status)
     if kind is None:
@@ -333,8 +372,8 @@ def object_answer(
         kind=kind,
         provider_reference=ident,
         status_code=status_code,
-        code=_clip(_decline_code(fields, status)) if kind is AnswerKind.DECLINED else None,
-        message=note(None),
+        code=decline_code(fields) if kind is AnswerKind.DECLINED else None,
+        message=note(f"authorised, then released ({AUTHORIZATION_RELEASED})" if released else None),
         body=body,
     )
 

@@ -4,6 +4,13 @@ The ``Stripe-Signature`` header (``t=<unix time>,v1=<hex HMAC-SHA256 of "{t}.{bo
 several ``v1`` entries while a secret is rolled) is Stripe's documented scheme: an HMAC the
 standard library computes, compared in constant time, so the adapter does not need the
 ``stripe`` package. The timestamp must be within ``tolerance`` of now (replay protection).
+
+Events are mapped to the operation they concern: by ``request.idempotency_key`` when one of
+our downstream keys caused the event (a capture's ``payment_intent.succeeded`` concerns the
+capture), else by the object's ``payorch_operation_id`` metadata. Their outcome is read with
+the functions the status query uses (:mod:`.classify`), so both paths agree: a decline carries
+the same code, and a ``payment_intent.canceled`` that releases a manual-capture authorisation
+is what became of a successful ``payment.create`` (lifecycle evidence), not its decline.
 """
 
 from __future__ import annotations
@@ -16,10 +23,11 @@ from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from payorch.core import operation_id_from_downstream_key
 from payorch.errors import WebhookMalformed, WebhookSignatureInvalid
 from payorch.provider import AnswerKind, WebhookEvent
 
-from .classify import REFUND_KINDS
+from .classify import AUTHORIZATION_RELEASED, REFUND_KINDS, authorization_released, decline_code
 
 __all__ = ["SIGNATURE_HEADER", "parse_stripe_webhook"]
 
@@ -104,17 +112,26 @@ def _idempotency_key(request: object) -> str | None:
     return _text(request.get("idempotency_key")) if isinstance(request, dict) else None
 
 
-def _outcome(event_type: str, obj: Mapping[str, Any]) -> AnswerKind | None:
+def _outcome(
+    event_type: str, obj: Mapping[str, Any]
+) -> tuple[AnswerKind | None, str | None, str | None]:
+    """The event's outcome, a decline's code, and a lifecycle note (or None for each)."""
+    kind: AnswerKind | None = None
     if event_type in _PAYMENT_EVENTS:
         if obj.get("object") != "payment_intent":
             raise WebhookMalformed(f"{event_type} does not carry a payment_intent")
-        return _PAYMENT_EVENTS[event_type]
-    if event_type in _REFUND_EVENTS:
+        if event_type == "payment_intent.canceled" and authorization_released(obj):
+            # The payment.create it concerns did succeed (it was authorised); the release is
+            # what became of the hold afterwards, as a status query would also read it.
+            return AnswerKind.SUCCEEDED, None, AUTHORIZATION_RELEASED
+        kind = _PAYMENT_EVENTS[event_type]
+    elif event_type in _REFUND_EVENTS:
         if obj.get("object") != "refund":
             raise WebhookMalformed(f"{event_type} does not carry a refund")
         status = obj.get("status")
-        return REFUND_KINDS.get(status) if isinstance(status, str) else None
-    return None
+        kind = REFUND_KINDS.get(status) if isinstance(status, str) else None
+    code = decline_code(obj) if kind is AnswerKind.DECLINED else None
+    return kind, code, None
 
 
 def parse_stripe_webhook(
@@ -140,15 +157,22 @@ def parse_stripe_webhook(
     if event_id is None or event_type is None or not isinstance(obj, dict):
         raise WebhookMalformed("Stripe event lacks id, type or data.object")
     metadata = obj.get("metadata")
+    downstream_key = _idempotency_key(event.get("request"))
+    # The operation whose call caused the event, else the one that created the object (its
+    # metadata: a capture's intent carries its payment.create's id).
+    operation_id = operation_id_from_downstream_key(downstream_key) if downstream_key else None
+    if operation_id is None and isinstance(metadata, dict):
+        operation_id = _text(metadata.get("payorch_operation_id"))
+    outcome, code, lifecycle = _outcome(event_type, obj)
     return WebhookEvent(
         event_id=event_id,
         event_type=event_type,
-        outcome=_outcome(event_type, obj),
+        outcome=outcome,
         provider_reference=_text(obj.get("id")),
-        downstream_key=_idempotency_key(event.get("request")),
-        operation_id=_text(metadata.get("payorch_operation_id"))
-        if isinstance(metadata, dict)
-        else None,
+        downstream_key=downstream_key,
+        operation_id=operation_id,
         occurred_at=_occurred_at(event.get("created")),
         body=event,
+        code=code,
+        lifecycle=lifecycle,
     )

@@ -1,0 +1,1 @@
+"""A small shop that takes payments through payorch (the Django example project)."""

@@ -1,0 +1,8 @@
+"""WSGI entry point (sync views only; the async view needs ASGI)."""
+
+import os
+
+from django.core.wsgi import get_wsgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "shop.settings")
+application = get_wsgi_application()

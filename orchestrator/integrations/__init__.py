@@ -1,0 +1,1 @@
+"""Optional integrations at the edge (FastAPI, Django): each imports its framework itself."""

@@ -1,0 +1,313 @@
+"""Django settings for payorch (``settings.PAYORCH``), tenant resolvers, and what is built
+once per process from them: the executors, the webhook handlers and their stores.
+
+Imported by :mod:`payorch.integrations.django`, which re-exports the public names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, cast
+
+from asgiref.sync import sync_to_async
+from django.conf import settings as django_settings
+from django.core.handlers.asgi import ASGIRequest
+from django.core.signals import setting_changed
+from django.http import HttpRequest
+from django.utils.module_loading import import_string
+
+from payorch.aio import AsyncExecutor, AsyncWebhookHandler
+from payorch.async_store import AsyncStore
+from payorch.errors import ConfigurationError, InvalidTenant
+from payorch.executor import Executor
+from payorch.operations import Registry, default_registry
+from payorch.provider import AsyncProvider, Provider
+from payorch.settings import Settings
+from payorch.store import Store
+from payorch.webhooks import WebhookHandler
+
+__all__ = [
+    "PayorchConfig",
+    "Tenant",
+    "async_executor",
+    "async_store",
+    "async_tenant",
+    "async_webhook_handler",
+    "close",
+    "config",
+    "executor",
+    "require_asgi",
+    "store",
+    "tenant_resolver",
+    "webhook_handler",
+]
+
+Tenant = Callable[[HttpRequest], "str | None"]
+_KEYS = {  # unknown keys are refused: a typo would be silent
+    "DATABASE_URL",
+    "PROVIDERS",
+    "REGISTRY",
+    "TENANT",
+    "LEASE_SECONDS",
+    "OPERATION_URL",
+}
+
+# -- settings ------------------------------------------------------------------------------
+
+
+def _load(value: Any, what: str) -> Any:
+    """A dotted path is imported; anything else is taken as it is."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return import_string(value)
+    except ImportError as exc:
+        raise ConfigurationError(f"PAYORCH[{what!r}]: cannot import {value!r}: {exc}") from exc
+
+
+def tenant_resolver(spec: str | Tenant) -> Tenant:
+    """The tenant of a request from ``spec``; ``None`` means "unauthenticated" (401).
+
+    ``"header:X-Tenant-Id"`` (set by a trusted gateway; missing is a 400), ``"kwarg:tenant"``
+    (a URL path parameter), ``"user"`` (the authenticated user's pk) or ``"user:attr.path"``
+    (an attribute of it), a callable ``(request) -> str | None``, or a callable's dotted path.
+    """
+    if callable(spec):
+        return spec
+    kind, _, arg = spec.partition(":")
+    if kind == "header" and arg:
+        return functools.partial(_from_header, arg)
+    if kind == "kwarg" and arg:
+        return functools.partial(_from_kwarg, arg)
+    if kind == "user":
+        return functools.partial(_from_user, arg.split(".") if arg else ["pk"])
+    if "." in spec and not arg:
+        return tenant_resolver(cast(Tenant, _load(spec, "TENANT")))
+    raise ConfigurationError(
+        f"PAYORCH['TENANT'] = {spec!r}: use 'header:NAME', 'kwarg:NAME', 'user', "
+        "'user:ATTR', a callable or its dotted path"
+    )
+
+
+def _from_header(name: str, request: HttpRequest) -> str:
+    value = request.headers.get(name)
+    if not value:
+        raise InvalidTenant(f"the {name} header is missing")
+    return str(value)
+
+
+def _from_kwarg(name: str, request: HttpRequest) -> str:
+    match = request.resolver_match
+    value = match.kwargs.get(name) if match is not None else None
+    if not value:
+        raise ConfigurationError(f"the URL of {request.path!r} has no {name!r} parameter")
+    return str(value)
+
+
+def _from_user(attrs: list[str], request: HttpRequest) -> str | None:
+    user = getattr(request, "user", None)  # set by AuthenticationMiddleware
+    if user is None or not user.is_authenticated:
+        return None
+    value: Any = user
+    for attr in attrs:
+        value = getattr(value, attr, None)
+    return None if value is None or value == "" else str(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PayorchConfig:
+    """``settings.PAYORCH``, checked. Unknown keys are refused (a typo would be silent)."""
+
+    database_url: str
+    providers: Callable[[], list[Provider]]
+    registry: Callable[[list[Provider]], Registry]
+    tenant: Tenant
+    lease: timedelta
+    operation_url: str | None  # the URL name a 201/202's Location reverses
+
+    @classmethod
+    def from_settings(cls) -> PayorchConfig:
+        raw = getattr(django_settings, "PAYORCH", None)
+        if not isinstance(raw, Mapping) or "PROVIDERS" not in raw:
+            raise ConfigurationError("settings.PAYORCH must be a dict with at least PROVIDERS")
+        unknown = set(raw) - _KEYS
+        if unknown:
+            raise ConfigurationError(f"settings.PAYORCH: unknown keys {sorted(unknown)}")
+        lease = float(raw.get("LEASE_SECONDS", 60.0))
+        if not lease > 0:
+            raise ConfigurationError("settings.PAYORCH['LEASE_SECONDS'] must be positive")
+        return cls(
+            database_url=str(raw.get("DATABASE_URL") or Settings().database_url),
+            providers=functools.partial(_providers, raw["PROVIDERS"]),
+            registry=functools.partial(_registry, raw.get("REGISTRY")),
+            tenant=tenant_resolver(raw.get("TENANT", "header:X-Tenant-Id")),
+            lease=timedelta(seconds=lease),
+            operation_url=raw.get("OPERATION_URL", "payorch-operation"),
+        )
+
+
+def _providers(spec: Any) -> list[Provider]:
+    value = _load(spec, "PROVIDERS")
+    built = value() if callable(value) else value
+    providers = list(cast(Iterable[Any], built))
+    if not providers or not all(isinstance(p, Provider) for p in providers):
+        raise ConfigurationError("PAYORCH['PROVIDERS'] must give one or more provider adapters")
+    return providers
+
+
+def _registry(spec: Any, providers: list[Provider]) -> Registry:
+    if spec is None:  # one provider: every operation type runs on it
+        return default_registry(providers[0].name if len(providers) == 1 else None)
+    value = _load(spec, "REGISTRY")
+    built = value if isinstance(value, Registry) else value()
+    if not isinstance(built, Registry):
+        raise ConfigurationError("PAYORCH['REGISTRY'] must give a payorch Registry")
+    return built
+
+
+# -- what is built once per process ---------------------------------------------------------
+
+
+class _Runtime:
+    """The executors, handlers and stores, built on first use under one lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.reset()
+
+    def reset(self) -> None:
+        self.config: PayorchConfig | None = None
+        self.providers: list[Provider] | None = None
+        self.registry: Registry | None = None
+        self.store: Store | None = None
+        self.executor: Executor | None = None
+        self.webhooks: WebhookHandler | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.astore: AsyncStore | None = None
+        self.aexecutor: AsyncExecutor | None = None
+        self.awebhooks: AsyncWebhookHandler | None = None
+
+    def settings(self) -> tuple[PayorchConfig, list[Provider], Registry]:
+        with self.lock:
+            if self.config is None or self.providers is None or self.registry is None:
+                config = PayorchConfig.from_settings()
+                providers = config.providers()
+                self.registry = config.registry(providers)
+                self.config, self.providers = config, providers
+            return self.config, self.providers, self.registry
+
+    def sync(self) -> tuple[Executor, WebhookHandler]:
+        with self.lock:
+            if self.executor is None or self.webhooks is None:
+                config, providers, registry = self.settings()
+                store = self.store = Store.from_url(config.database_url)
+                self.executor = Executor(
+                    store=store, providers=providers, registry=registry, lease=config.lease
+                )
+                self.webhooks = WebhookHandler(store=store, providers=providers)
+            return self.executor, self.webhooks
+
+    def asynchronous(self) -> tuple[AsyncExecutor, AsyncWebhookHandler]:
+        loop = asyncio.get_running_loop()
+        with self.lock:  # nothing inside awaits: holding it on the loop is brief
+            if self.loop is not None and self.loop is not loop:
+                # An async engine's connections belong to one loop; under WSGI each async
+                # view would run on a loop of its own.
+                raise ConfigurationError(
+                    "payorch's async views share one event loop: serve the project with an "
+                    "ASGI server (uvicorn, daphne), or use sync views under WSGI"
+                )
+            if self.aexecutor is None or self.awebhooks is None:
+                config, providers, registry = self.settings()
+                adapters = [cast(AsyncProvider, p) for p in providers]
+                store = self.astore = AsyncStore.from_url(config.database_url)
+                self.aexecutor = AsyncExecutor(
+                    store=store, providers=adapters, registry=registry, lease=config.lease
+                )
+                self.awebhooks = AsyncWebhookHandler(store=store, providers=adapters)
+                self.loop = loop
+            return self.aexecutor, self.awebhooks
+
+
+_runtime = _Runtime()
+
+
+def config() -> PayorchConfig:
+    """``settings.PAYORCH``, read and checked once."""
+    return _runtime.settings()[0]
+
+
+def store() -> Store:
+    """The sync store the :func:`executor` writes to."""
+    _runtime.sync()
+    assert _runtime.store is not None  # built with the executor
+    return _runtime.store
+
+
+def async_store() -> AsyncStore:
+    """The async store of the :func:`async_executor`."""
+    return _runtime.asynchronous()[0].store
+
+
+def executor() -> Executor:
+    """The process's :class:`~payorch.Executor`, built from ``settings.PAYORCH`` on first use."""
+    return _runtime.sync()[0]
+
+
+def webhook_handler() -> WebhookHandler:
+    return _runtime.sync()[1]
+
+
+def async_executor() -> AsyncExecutor:
+    """The :class:`~payorch.AsyncExecutor`, bound to the running (the ASGI server's) loop."""
+    return _runtime.asynchronous()[0]
+
+
+def async_webhook_handler() -> AsyncWebhookHandler:
+    return _runtime.asynchronous()[1]
+
+
+def close() -> None:
+    """Drop what was built (the next request builds it anew); closes the sync store's pool.
+
+    The async store's pool belongs to its loop and is dropped with it.
+    """
+    with _runtime.lock:
+        if _runtime.store is not None:
+            _runtime.store.close()
+        _runtime.reset()
+
+
+def _settings_changed(*, setting: str, **_: Any) -> None:
+    if setting == "PAYORCH":  # override_settings in a project's tests
+        close()
+
+
+setting_changed.connect(_settings_changed)
+
+
+def require_asgi(request: HttpRequest) -> None:
+    """Refuse an async view served by WSGI, at once rather than on its second request:
+    there each async view runs on an event loop of its own, and the async store's
+    connections belong to one loop."""
+    if not isinstance(request, ASGIRequest):
+        raise ConfigurationError(
+            "payorch's async views need an ASGI server (uvicorn, daphne); under WSGI use sync views"
+        )
+
+
+async def async_tenant(request: HttpRequest) -> str | None:
+    """The tenant for an async view: never a blocking call on the loop."""
+    require_asgi(request)
+    resolve = _runtime.settings()[0].tenant
+    if isinstance(resolve, functools.partial) and resolve.func in (_from_header, _from_kwarg):
+        direct: str | None = resolve(request)  # no I/O
+        return direct
+    # request.user (and a custom resolver) may query the database: not on the loop.
+    tenant: str | None = await sync_to_async(resolve)(request)
+    return tenant

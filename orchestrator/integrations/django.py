@@ -1,0 +1,369 @@
+"""Django: ``@idempotent`` views (sync and async), webhook and operation views, settings.
+
+Install ``payorch[django]``. Configure in the project's settings::
+
+    PAYORCH = {
+        "DATABASE_URL": "sqlite:///payorch.db",     # default: PAYORCH_DATABASE_URL
+        "PROVIDERS": "myshop.payments.providers",   # a list, a callable or its dotted path
+        "TENANT": "header:X-Tenant-Id",             # | "kwarg:tenant" | "user[:attr]" | callable
+    }
+
+then decorate a view; the decorator parses the ``Idempotency-Key`` header and the JSON body,
+resolves the tenant, runs ``execute()`` and answers with what :func:`payorch.http.http_answer`
+says (the view only shapes the request, or is left out: :func:`idempotent_view`)::
+
+    @idempotent("payment.create", status=201)
+    def create_payment(request, payload):
+        return {**payload, "customer": f"cus_{request.user.pk}"}
+
+An ``async def`` view runs on the :class:`~payorch.AsyncExecutor` (under ASGI); a plain one
+on the :class:`~payorch.Executor`. Both are built once, lazily, from ``settings.PAYORCH``.
+Every refusal is an RFC 9457 ``application/problem+json`` answer; nothing is written.
+The tenant always comes from the request (header, path, principal), never from the body.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeAlias, cast
+
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, HttpResponse
+from django.urls import NoReverseMatch, URLPattern, path, reverse
+from django.views.decorators.csrf import csrf_exempt
+
+from payorch.core import State, validate_tenant
+from payorch.errors import ConfigurationError, PayorchError
+from payorch.http import (
+    IDEMPOTENCY_KEY_HEADER,
+    SAME_KEY,
+    HttpAnswer,
+    http_answer,
+    parse_idempotency_key,
+    parse_json_body,
+    problem,
+    webhook_answer,
+)
+from payorch.outcome import Outcome
+
+from ._django_config import (
+    PayorchConfig,
+    Tenant,
+    async_executor,
+    async_store,
+    async_tenant,
+    async_webhook_handler,
+    close,
+    config,
+    executor,
+    require_asgi,
+    store,
+    tenant_resolver,
+    webhook_handler,
+)
+
+__all__ = [
+    "PayorchConfig",
+    "Tenant",
+    "async_executor",
+    "async_operation_view",
+    "async_webhook_handler",
+    "async_webhook_view",
+    "close",
+    "executor",
+    "idempotent",
+    "idempotent_view",
+    "operation_view",
+    "tenant_resolver",
+    "urls",
+    "webhook_handler",
+    "webhook_view",
+]
+
+log = logging.getLogger("payorch.django")
+
+Shaped: TypeAlias = "Mapping[str, Any] | HttpResponse | None"
+_UNRESOLVED = "urn:payorch:problem:tenant-unresolved"
+_NOT_ALLOWED = "urn:payorch:problem:method-not-allowed"
+_TOO_LARGE = "urn:payorch:problem:request-body-too-large"
+_INTERNAL = "urn:payorch:problem:error"
+
+
+# -- answers ---------------------------------------------------------------------------------
+
+
+def _response(answer: HttpAnswer) -> HttpResponse:
+    response = HttpResponse(
+        answer.content(), status=answer.status, content_type=answer.content_type
+    )
+    for name, value in answer.headers.items():
+        response[name] = value
+    return response
+
+
+def _failure(exc: Exception, mapped: Callable[[Any], HttpAnswer] = http_answer) -> HttpAnswer:
+    if isinstance(exc, PayorchError):
+        if exc.http_status >= 500:  # the client gets a generic detail; the logs the truth
+            log.error("payorch: %s", exc.message, exc_info=exc)
+        return mapped(exc)
+    if isinstance(exc, RequestDataTooBig):
+        return problem(413, _TOO_LARGE, "Request body too large", "the request body is too large")
+    log.exception("payorch: unexpected error")
+    detail = "the server failed; retry with the same idempotency key later, never a new one"
+    return problem(500, _INTERNAL, "Error", detail, retry=SAME_KEY)
+
+
+def _unresolved() -> HttpResponse:
+    detail = "this request carries no tenant: authenticate first"
+    return _response(problem(401, _UNRESOLVED, "Tenant unresolved", detail))
+
+
+def _not_allowed(request: HttpRequest, allowed: tuple[str, ...]) -> HttpResponse | None:
+    if request.method in allowed:
+        return None
+    detail = f"{request.method} is not allowed here; use {', '.join(allowed)}"
+    headers = {"Allow": ", ".join(allowed)}
+    return _response(problem(405, _NOT_ALLOWED, "Method not allowed", detail, headers=headers))
+
+
+def _location(request: HttpRequest, name: str | None, outcome: Outcome) -> str | None:
+    if name is None:
+        return None
+    match = request.resolver_match
+    for kwargs in ({}, dict(match.kwargs) if match is not None else {}):
+        try:
+            return str(reverse(name, kwargs={**kwargs, "operation_id": outcome.operation_id}))
+        except NoReverseMatch:
+            continue
+    return None
+
+
+# -- the decorator ---------------------------------------------------------------------------
+
+SyncShape = Callable[..., Shaped]
+AsyncShape = Callable[..., Awaitable[Shaped]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Spec:
+    operation: str
+    status: int
+    provider: str | None
+    wait: timedelta | None
+    methods: tuple[str, ...]
+
+    def parse(self, request: HttpRequest) -> tuple[str, dict[str, Any]]:
+        """The key, then the body: each refusal a typed error, nothing written."""
+        key = parse_idempotency_key(request.headers.get(IDEMPOTENCY_KEY_HEADER))
+        return key, parse_json_body(request.body)
+
+    def answer(self, request: HttpRequest, outcome: Outcome) -> HttpResponse:
+        where = _location(request, config().operation_url, outcome)
+        return _response(http_answer(outcome, success_status=self.status, location=where))
+
+
+def idempotent(
+    operation: str,
+    *,
+    status: int = 200,
+    provider: str | None = None,
+    wait: timedelta | None = None,
+    methods: Iterable[str] = ("POST",),
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Make a view run ``operation`` once per ``Idempotency-Key`` and tenant.
+
+    The view is called as ``view(request, payload, *args, **kwargs)`` with the parsed JSON
+    body, after the key, the tenant and the body were checked. It returns the request to
+    execute (a mapping or a pydantic model; ``None`` means the payload as it is) or an
+    ``HttpResponse`` of its own (then nothing is executed). It may raise a ``PayorchError``
+    (e.g. ``RequestValidationFailed``) to refuse. An ``async def`` view runs on the
+    ``AsyncExecutor``. The view is CSRF-exempt: it needs the ``Idempotency-Key`` header,
+    which a cross-site form cannot send and a cross-site script cannot without CORS consent.
+    """
+    if status not in (200, 201):
+        raise ConfigurationError(f"status must be 200 or 201, not {status}")
+    spec = _Spec(
+        operation=operation,
+        status=status,
+        provider=provider,
+        wait=wait,
+        methods=tuple(m.upper() for m in methods),
+    )
+
+    def decorate(view: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(view):
+            wrapped: Callable[..., Any] = _async_view(spec, view)
+        else:
+            wrapped = _sync_view(spec, view)
+        return cast(Callable[..., Any], csrf_exempt(functools.wraps(view)(wrapped)))
+
+    return decorate
+
+
+def idempotent_view(
+    operation: str, *, asynchronous: bool = False, **options: Any
+) -> Callable[..., Any]:
+    """A view that executes the JSON body as it is: ``path("payments", idempotent_view(...))``."""
+    if asynchronous:
+
+        async def as_is_async(request: HttpRequest, payload: dict[str, Any], **_: Any) -> Shaped:
+            return payload
+
+        return idempotent(operation, **options)(as_is_async)
+
+    def as_is(request: HttpRequest, payload: dict[str, Any], **_: Any) -> Shaped:
+        return payload
+
+    return idempotent(operation, **options)(as_is)
+
+
+def _sync_view(spec: _Spec, view: SyncShape) -> Callable[..., HttpResponse]:
+    def run(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        refused = _not_allowed(request, spec.methods)
+        if refused is not None:
+            return refused
+        try:
+            tenant = config().tenant(request)
+            if tenant is None:
+                return _unresolved()
+            key, payload = spec.parse(request)
+            shaped = view(request, payload, *args, **kwargs)
+            if isinstance(shaped, HttpResponse):
+                return shaped
+            outcome = executor().execute(
+                tenant_id=validate_tenant(tenant),
+                operation=spec.operation,
+                idempotency_key=key,
+                request=payload if shaped is None else shaped,
+                provider=spec.provider,
+                wait=spec.wait,
+            )
+            return spec.answer(request, outcome)
+        except Exception as exc:  # noqa: BLE001 - every failure answers problem+json
+            return _response(_failure(exc))
+
+    return run
+
+
+def _async_view(spec: _Spec, view: AsyncShape) -> Callable[..., Awaitable[HttpResponse]]:
+    async def run(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        refused = _not_allowed(request, spec.methods)
+        if refused is not None:
+            return refused
+        try:
+            tenant = await async_tenant(request)
+            if tenant is None:
+                return _unresolved()
+            key, payload = spec.parse(request)  # the body is read before the view is called
+            shaped = await view(request, payload, *args, **kwargs)
+            if isinstance(shaped, HttpResponse):
+                return shaped
+            outcome = await async_executor().execute(
+                tenant_id=validate_tenant(tenant),
+                operation=spec.operation,
+                idempotency_key=key,
+                request=payload if shaped is None else shaped,
+                provider=spec.provider,
+                wait=spec.wait,
+            )
+            return spec.answer(request, outcome)
+        except Exception as exc:  # noqa: BLE001 - every failure answers problem+json
+            return _response(_failure(exc))
+
+    return run
+
+
+# -- webhooks and operations ---------------------------------------------------------------
+
+
+def _webhook_refusal(request: HttpRequest) -> HttpResponse | None:
+    return _not_allowed(request, ("POST",))
+
+
+def _sync_webhook(request: HttpRequest, tenant: str, provider: str) -> HttpResponse:
+    refused = _webhook_refusal(request)
+    if refused is not None:
+        return refused
+    try:
+        headers = dict(request.headers.items())
+        result = webhook_handler().handle(tenant, provider, headers, request.body)
+    except Exception as exc:  # noqa: BLE001 - a 5xx makes the provider re-send it
+        return _response(_failure(exc, webhook_answer))
+    return _response(webhook_answer(result))
+
+
+async def _async_webhook(request: HttpRequest, tenant: str, provider: str) -> HttpResponse:
+    refused = _webhook_refusal(request)
+    if refused is not None:
+        return refused
+    try:
+        require_asgi(request)
+        headers = dict(request.headers.items())
+        result = await async_webhook_handler().handle(tenant, provider, headers, request.body)
+    except Exception as exc:  # noqa: BLE001 - a 5xx makes the provider re-send it
+        return _response(_failure(exc, webhook_answer))
+    return _response(webhook_answer(result))
+
+
+# A provider signs its webhooks; it holds no CSRF token. The tenant is the URL's (the
+# endpoint configured at the provider for that tenant), and the signature vouches for it.
+webhook_view: Callable[..., HttpResponse] = csrf_exempt(_sync_webhook)
+async_webhook_view: Callable[..., Awaitable[HttpResponse]] = csrf_exempt(_async_webhook)
+
+
+def _operation_answer(outcome: Outcome) -> HttpResponse:
+    # The operation resource exists whatever its state: 200, the state is in the body.
+    answer = http_answer(outcome)
+    headers = {k: v for k, v in answer.headers.items() if k != "Retry-After"}
+    if outcome.unknown or outcome.state is State.IN_PROGRESS:
+        headers["Retry-After"] = "1"  # still moving: when to poll again
+    return _response(HttpAnswer(status=200, body=answer.body, headers=headers))
+
+
+def _sync_operation(request: HttpRequest, operation_id: str, **_: Any) -> HttpResponse:
+    refused = _not_allowed(request, ("GET", "HEAD"))
+    if refused is not None:
+        return refused
+    try:
+        tenant = config().tenant(request)
+        if tenant is None:
+            return _unresolved()
+        record = store().get(validate_tenant(tenant), operation_id)
+    except Exception as exc:  # noqa: BLE001 - every failure answers problem+json
+        return _response(_failure(exc))
+    return _operation_answer(Outcome.from_record(record, replayed=False))
+
+
+async def _async_operation(request: HttpRequest, operation_id: str, **_: Any) -> HttpResponse:
+    refused = _not_allowed(request, ("GET", "HEAD"))
+    if refused is not None:
+        return refused
+    try:
+        tenant = await async_tenant(request)
+        if tenant is None:
+            return _unresolved()
+        record = await async_store().get(validate_tenant(tenant), operation_id)
+    except Exception as exc:  # noqa: BLE001 - every failure answers problem+json
+        return _response(_failure(exc))
+    return _operation_answer(Outcome.from_record(record, replayed=False))
+
+
+operation_view: Callable[..., HttpResponse] = _sync_operation
+async_operation_view: Callable[..., Awaitable[HttpResponse]] = _async_operation
+
+
+def urls(*, asynchronous: bool = False) -> list[URLPattern]:
+    """``webhooks/<tenant>/<provider>`` and ``operations/<operation_id>`` (tenant-scoped):
+    ``path("payorch/", include(urls()))``. The operation URL is what a 202's Location names.
+    """
+    webhook = async_webhook_view if asynchronous else webhook_view
+    operation = async_operation_view if asynchronous else operation_view
+    return [
+        path("webhooks/<str:tenant>/<str:provider>", webhook, name="payorch-webhook"),
+        path("operations/<str:operation_id>", operation, name="payorch-operation"),
+    ]

@@ -1,0 +1,242 @@
+"""Redaction that holds (issue 11, item 3): a sensitive value is stored nowhere, neither in
+the fingerprint nor where the provider echoes it (response, event details, webhook inbox).
+The proof is a dump of the whole database searched for the raw values."""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+import subprocess
+from datetime import timedelta
+
+import pytest
+import sqlalchemy as sa
+from conftest import make_due
+from pydantic import BaseModel, Field
+
+from payorch.core import State
+from payorch.errors import ConfigurationError
+from payorch.executor import Executor
+from payorch.operations import REDACTED, OperationType, Registry, default_registry
+from payorch.provider import Answer, AnswerKind
+from payorch.providers.sandbox import SandboxProvider, SandboxServer
+from payorch.reconciler import Reconciler, ReconcilerPolicy
+from payorch.redaction import Redactor
+from payorch.store import Store
+from payorch.webhooks import WebhookHandler, WebhookStatus
+
+CARD = "4000056655665556"
+HOLDER = "Jane Q. Secretperson"
+SECRETS = (CARD, HOLDER)
+
+
+class CardCharge(BaseModel):
+    amount: int
+    currency: str
+    card_number: str
+    holder: str
+    description: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+CARD_CHARGE = OperationType(
+    name="card.charge",
+    model=CardCharge,
+    effect_fields=("amount", "currency"),
+    sensitive_fields=("card_number", "holder"),
+    provider="sandbox",
+)
+
+
+def charge(order: str) -> dict[str, object]:
+    # The app copies the card into metadata and a description: the sandbox echoes metadata
+    # in its answer, its status query and its webhooks.
+    return {
+        "amount": 500,
+        "currency": "EUR",
+        "card_number": CARD,
+        "holder": HOLDER,
+        "description": f"card {CARD} of {HOLDER}",
+        "metadata": {"card": CARD, "cardholder": HOLDER, "order": order},
+    }
+
+
+# -- refusal of a recoverable fingerprint ------------------------------------------------------
+
+
+def test_a_sensitive_effect_field_is_refused_at_registration() -> None:
+    with pytest.raises(ConfigurationError, match="both sensitive and effect"):
+        OperationType(
+            name="card.charge",
+            model=CardCharge,
+            effect_fields=("amount", "currency", "card_number"),
+            sensitive_fields=("card_number",),
+        )
+    registry = Registry()
+    registry.register(CARD_CHARGE)  # disjoint fields: fine
+    assert list(registry.names()) == ["card.charge"]
+
+
+def test_a_copied_sensitive_value_is_redacted_in_the_stored_request() -> None:
+    registry = default_registry("sandbox")
+    registry.register(CARD_CHARGE)
+    prepared = registry.prepare(
+        tenant_id="shop", operation="card.charge", idempotency_key="k", request=charge("o-1")
+    )
+    stored = prepared.new.request
+    assert stored == {
+        "amount": 500,
+        "currency": "EUR",
+        "card_number": REDACTED,
+        "holder": REDACTED,
+        "description": f"card {REDACTED} of {REDACTED}",
+        "metadata": {"card": REDACTED, "cardholder": REDACTED, "order": "o-1"},
+    }
+    assert prepared.payload["card_number"] == CARD  # what the provider gets is whole
+
+
+# -- the one redaction function -----------------------------------------------------------------
+
+
+def test_redactor_with_the_request_in_hand_finds_values_anywhere() -> None:
+    stored = {"card_number": REDACTED, "pin": REDACTED, "note": "x"}
+    redactor = Redactor.of(stored, {"card_number": CARD, "pin": 90817, "note": "x"})
+    body = {
+        "id": "pi_1",
+        "metadata": {"copy": CARD, CARD: "as a key", "n": 90817, "s": "90817"},
+        "lines": [{"text": f"charged {CARD}."}],
+        "amount": 500,
+    }
+    out = redactor.json(body)
+    assert out == {
+        "id": "pi_1",
+        "metadata": {"copy": REDACTED, REDACTED: "as a key", "n": REDACTED, "s": REDACTED},
+        "lines": [{"text": f"charged {REDACTED}."}],
+        "amount": 500,
+    }
+    answer = Answer(
+        kind=AnswerKind.AMBIGUOUS,
+        message=f"card {CARD} refused",
+        raw=f'{{"card": "{CARD[:9]}',  # cut mid-value by the evidence limit
+        code="c",
+    )
+    cleaned = redactor.answer(answer)
+    assert CARD not in (cleaned.message or "") and CARD[:9] not in (cleaned.raw or "")
+    assert cleaned.kind is AnswerKind.AMBIGUOUS and cleaned.code == "c"
+
+
+def test_redactor_from_the_stored_request_alone_goes_by_name() -> None:
+    stored = {"card_number": REDACTED, "metadata": {"card": REDACTED, "order": "o-1"}}
+    redactor = Redactor.of(stored)
+    body = {"data": {"metadata": {"card": CARD, "order": "o-1"}, "card_number": CARD}}
+    assert redactor.json(body) == {
+        "data": {"metadata": {"card": REDACTED, "order": "o-1"}, "card_number": REDACTED}
+    }
+    assert not Redactor.of({"amount": 5})  # nothing sensitive: bodies stored as they are
+
+
+# -- the whole database, searched for the raw values (PostgreSQL and SQLite) ------------------
+
+
+def dump(store: Store) -> str:
+    """Every table, every column, as text."""
+    url = store.engine.url
+    if url.get_backend_name() == "sqlite":
+        con = sqlite3.connect(str(url.database))
+        try:
+            return "\n".join(con.iterdump())
+        finally:
+            con.close()
+    parts = []
+    pg_dump = shutil.which("pg_dump")
+    if pg_dump is not None:
+        libpq = url.set(drivername="postgresql").render_as_string(hide_password=False)
+        done = subprocess.run(
+            [pg_dump, "--data-only", libpq], capture_output=True, text=True, check=False
+        )
+        if done.returncode == 0:
+            parts.append(done.stdout)
+    # Also row by row as text, so the check holds without a matching pg_dump.
+    inspector = sa.inspect(store.engine)
+    with store.engine.connect() as conn:
+        for schema in inspector.get_schema_names():
+            if schema in ("information_schema", "pg_catalog") or schema.startswith("pg_"):
+                continue
+            for table in inspector.get_table_names(schema=schema):
+                name = f'"{schema}"."{table}"'
+                rows = conn.exec_driver_sql(f"SELECT t::text FROM {name} t")
+                parts.extend(row[0] for row in rows)
+    return "\n".join(parts)
+
+
+def test_no_sensitive_value_reaches_the_database(
+    executor: Executor,
+    store: Store,
+    sandbox: SandboxServer,
+    sandbox_provider: SandboxProvider,
+) -> None:
+    executor.registry.register(CARD_CHARGE)
+
+    def run(key: str, fault: str | None = None) -> str:
+        if fault is not None:
+            sandbox.inject(fault)
+        outcome = executor.execute(
+            tenant_id="shop", operation="card.charge", idempotency_key=key, request=charge(key)
+        )
+        return outcome.operation_id
+
+    answered = run("o-answered")  # the provider's answer echoes the card
+    queried = run("o-queried", "drop_after")  # settled by a status query that echoes it
+    by_webhook = run("o-webhook", "reset_after")  # settled by a webhook that echoes it
+    declined = run("o-declined", "decline")  # a decline's answer and evidence
+    make_due(store, queried)
+    report = Reconciler(
+        store=store,
+        providers=[sandbox_provider],
+        policy=ReconcilerPolicy(lease=timedelta(seconds=30)),
+    ).reconcile_once()
+    assert report.picked == 1
+    handler = WebhookHandler(store=store, providers=[sandbox_provider])
+    statuses = [
+        handler.handle("shop", "sandbox", d.headers, d.body).status
+        for d in sandbox.webhook_deliveries()
+    ]
+    assert sorted(statuses) == sorted(
+        [WebhookStatus.RECORDED] * 3 + [WebhookStatus.APPLIED]  # one event per effect
+    )
+    states = {op: store.get("shop", op).state for op in (answered, queried, by_webhook)}
+    assert set(states.values()) == {State.SUCCEEDED}
+    assert store.get("shop", declined).state is State.FAILED_FINAL
+
+    text = dump(store)
+    for secret in SECRETS:
+        assert secret not in text, f"{secret!r} found in the database"
+    # The dump did hold the echoes: their non-sensitive metadata beside the markers.
+    assert all(order in text for order in ("o-answered", "o-queried", "o-webhook"))
+    assert REDACTED in text
+
+
+def test_a_status_query_echo_is_redacted_by_name(
+    executor: Executor,
+    store: Store,
+    sandbox: SandboxServer,
+    sandbox_provider: SandboxProvider,
+) -> None:
+    """The reconciler has only the stored request: the echo goes by the redacted names."""
+    executor.registry.register(CARD_CHARGE)
+    sandbox.inject("drop_after")
+    op_id = executor.execute(
+        tenant_id="shop", operation="card.charge", idempotency_key="k", request=charge("o-7")
+    ).operation_id
+    make_due(store, op_id)
+    Reconciler(
+        store=store,
+        providers=[sandbox_provider],
+        policy=ReconcilerPolicy(lease=timedelta(seconds=30)),
+    ).reconcile_once()
+    record = store.get("shop", op_id)
+    assert record.state is State.SUCCEEDED and record.response is not None
+    (effect,) = record.response["provider_response"]["data"]  # the sandbox's listing
+    metadata = effect["metadata"]
+    assert metadata["card"] == REDACTED and metadata["cardholder"] == REDACTED
+    assert metadata["order"] == "o-7"

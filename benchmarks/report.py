@@ -381,6 +381,12 @@ def print_report(console: Console, report: Report, opts: Options) -> None:
         _print_postgres(console, report, opts)
     if "sandbox" in report.sections:
         _print_sandbox(console, report)
+    from bench_metrics import print_metrics  # imports this module: late
+
+    print_metrics(console, report)
+    from bench_tracing import print_tracing  # imports this module: late
+
+    print_tracing(console, report)
     if "sqlite" in report.sections:
         _print_sqlite(console, report)
     _print_async(console, report)

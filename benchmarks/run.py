@@ -32,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_db
 import bench_execute as bx
+import bench_metrics
 import bench_scan
+import bench_tracing
 from bench_async import AsyncBench
 from report import Options, Report, print_report
 
@@ -100,6 +102,8 @@ def bench_postgres(db: bench_db.Database, opts: Options, report: Report, say: Sa
                     warmup=opts.warmup,
                 ),
             )
+        bench_metrics.bench_metrics(executor, TENANT + "-m", opts, report, say)
+        bench_tracing.bench_tracing(executor, TENANT + "-t", opts, report, say)
         if opts.sandbox:
             bench_sandbox(store, executor, opts, report, say)
     finally:

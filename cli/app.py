@@ -7,6 +7,7 @@ line on stderr, never a traceback.
 
 from __future__ import annotations
 
+import enum
 import sys
 from collections.abc import Sequence
 from typing import Annotated, Any, NoReturn
@@ -92,6 +93,52 @@ app = typer.Typer(
     add_completion=False,
 )
 db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
+
+
+class LogFormat(enum.StrEnum):
+    text = "text"
+    json = "json"
+
+
+class LogLevel(enum.StrEnum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+@app.callback()
+def _logging(
+    log_format: Annotated[
+        LogFormat,
+        typer.Option(
+            "--log-format",
+            envvar="PAYORCH_LOG_FORMAT",
+            case_sensitive=False,
+            help="Log lines on stderr: text (time level logger event key=value) or json "
+            "(one object per line).",
+        ),
+    ] = LogFormat.text,
+    log_level: Annotated[
+        LogLevel | None,
+        typer.Option(
+            "--log-level",
+            envvar="PAYORCH_LOG_LEVEL",
+            case_sensitive=False,
+            help="Default: info for `reconcile`, error for `demo`, warning otherwise.",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Durable payment-operation orchestrator: one explainable effect per operation."""
+    import logging
+
+    from payorch import logs
+
+    level = None if log_level is None else logging.getLevelNamesMapping()[log_level.upper()]
+    logs.configure(log_format.value, level=level)
+
+
 app.add_typer(db_app, name="db")
 app.add_typer(ops_app, name="ops")
 app.add_typer(keys_app, name="keys")
@@ -139,8 +186,14 @@ def demo_cmd(
     seed: Annotated[int, typer.Option(help="Seed for clients and faults.")] = 7,
 ) -> None:
     """Run the end-to-end demo (SQLite and the loopback sandbox unless --database-url)."""
+    import logging
+
+    from payorch import logs
+
     from .demo import run_demo
 
+    # The demo sums up what it saw itself; its escalations would only break the progress.
+    logs.command_default(logging.ERROR)
     ok = run_demo(database_url=database_url_, payments=payments, seed=seed, console=out())
     raise typer.Exit(0 if ok else 1)
 

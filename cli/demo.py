@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -24,10 +24,8 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 from rich.console import Console
-from rich.table import Table
 
 from payorch import migrate
-from payorch.core import State
 from payorch.errors import IdempotencyKeyReused, OperationInProgress
 from payorch.executor import Executor, RetryPolicy
 from payorch.operations import default_registry
@@ -35,10 +33,14 @@ from payorch.outcome import Outcome
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.reconciler import Reconciler, ReconcilerPolicy
 from payorch.store import Store
-from payorch.tables import events, operations
-from payorch.webhooks import WebhookHandler, WebhookStatus
+from payorch.tables import operations
+from payorch.webhooks import WebhookHandler
 
-__all__ = ["run_demo"]
+from .demo_report import attention_reasons, report
+from .progress import Update, bar
+from .runtime import err
+
+__all__ = ["attention_reasons", "run_demo"]
 
 FAULT_RATES = {
     "drop_after": 0.06,
@@ -50,7 +52,6 @@ FAULT_RATES = {
     "latency": 0.05,
     "pending": 0.03,
 }
-MONEY = ("succeeded", "processing")
 CLIENT_TIMEOUT = httpx.Timeout(connect=1.0, read=0.5, write=1.0, pool=1.0)
 SETTLE_DEADLINE = 45.0  # seconds for the reconciler and webhooks to settle everything
 
@@ -113,14 +114,17 @@ def _run(url: str, payments: int, seed: int, console: Console) -> bool:
             ),
         )
         tally = Tally()
-        _clients(executor, tenant, payments, seed, tally)
+        # Progress on stderr, drawn only on a terminal: pipes and tests get the report alone.
+        with bar("clients", console=err()) as progress:
+            _clients(executor, tenant, payments, seed, tally, progress=progress)
         console.print(
             f"clients done in {time.monotonic() - started:.1f}s: {tally.calls} calls, "
             f"{tally.replays} replays, {tally.in_progress_answers} in-progress answers, "
             f"{tally.reuse_refused}/{tally.reuse_attempts} changed-amount reuses refused"
         )
-        webhook_results = _settle(store, provider, sandbox, seed, tenant)
-        ok = _report(
+        with bar("settling", console=err()) as progress:
+            webhook_results = _settle(store, provider, sandbox, seed, tenant, progress=progress)
+        ok = report(
             store, sandbox, tenant=tenant, tally=tally, webhooks=webhook_results, console=console
         )
     store.close()
@@ -132,7 +136,9 @@ def _rates() -> str:
     return ", ".join(f"{k} {v:.0%}" for k, v in FAULT_RATES.items())
 
 
-def _clients(executor: Executor, tenant: str, payments: int, seed: int, tally: Tally) -> None:
+def _clients(
+    executor: Executor, tenant: str, payments: int, seed: int, tally: Tally, *, progress: Update
+) -> None:
     rnd = random.Random(seed)  # noqa: S311 - a seeded simulation, not security
     plan: list[tuple[str, dict[str, Any], int, bool]] = []
     for i in range(payments):
@@ -195,12 +201,20 @@ def _clients(executor: Executor, tenant: str, payments: int, seed: int, tally: T
             for key, request, copies, reuse in plan
             for copy in range(copies)
         ]
-        for f in futures:
+        progress(0, len(futures))
+        for done, f in enumerate(as_completed(futures), start=1):
             f.result()
+            progress(done, len(futures))
 
 
 def _settle(
-    store: Store, provider: SandboxProvider, sandbox: SandboxServer, seed: int, tenant: str
+    store: Store,
+    provider: SandboxProvider,
+    sandbox: SandboxServer,
+    seed: int,
+    tenant: str,
+    *,
+    progress: Update,
 ) -> Counter[str]:
     """Reconciler passes plus webhook deliveries (some lost, some repeated, out of order)."""
     rnd = random.Random(seed + 1)  # noqa: S311 - a seeded simulation
@@ -221,6 +235,7 @@ def _settle(
     results: Counter[str] = Counter()
     delivered = 0
     deadline = time.monotonic() + SETTLE_DEADLINE
+    unsettled = _active(store, tenant)  # what the bar counts down
     while time.monotonic() < deadline:
         deliveries = sandbox.webhook_deliveries()[delivered:]
         delivered += len(deliveries)
@@ -233,7 +248,10 @@ def _settle(
                 continue
             results[handler.handle(owner, "sandbox", d.headers, d.body).status.value] += 1
         reconciler.reconcile_once()
-        if _active(store, tenant) == 0:
+        active = _active(store, tenant)
+        unsettled = max(unsettled, active)
+        progress(unsettled - active, unsettled)
+        if active == 0:
             break
         time.sleep(0.2)  # let the next checks fall due
     return results
@@ -260,155 +278,3 @@ def _active(store: Store, tenant: str) -> int:
                 )
             ).scalar_one()
         )
-
-
-# Events that say by themselves why an operation was flagged.
-_FLAG_KINDS = ("conflicting_evidence", "quarantined")
-
-
-def _why(kind: str, detail: object, error_code: str | None) -> str | None:
-    """The reason one event gives for a flag, or None if it gives none."""
-    info = detail if isinstance(detail, dict) else {}
-    decision = info.get("decision")
-    if kind in _FLAG_KINDS:
-        return kind
-    if info.get("duplicate"):
-        return "duplicate effects at the provider"
-    if isinstance(decision, str) and decision.startswith("escalate:"):
-        return decision
-    if "needs_attention" in info:
-        return "still unknown after max checks / max age"
-    if kind in ("provider_answer", "resubmission") and error_code:
-        return f"provider answer: {error_code}"
-    return None
-
-
-def attention_reasons(conn: sa.Connection, tenant: str) -> Counter[str]:
-    """Flagged operations by reason ("<reason> [<state>]"), from the store: the newest event
-    that explains the flag, else the operation's error code."""
-    flagged = {
-        row.id: row
-        for row in conn.execute(
-            sa.select(operations.c.id, operations.c.state, operations.c.error_code).where(
-                operations.c.tenant_id == tenant, operations.c.needs_attention
-            )
-        )
-    }
-    reasons: dict[str, str] = {}
-    if flagged:
-        newest_first = conn.execute(
-            sa.select(events.c.operation_id, events.c.kind, events.c.detail)
-            .where(events.c.tenant_id == tenant, events.c.operation_id.in_(list(flagged)))
-            .order_by(events.c.id.desc())
-        )
-        for op_id, kind, detail in newest_first:
-            if op_id not in reasons:
-                why = _why(kind, detail, flagged[op_id].error_code)
-                if why is not None:
-                    reasons[op_id] = why
-    for op_id, row in flagged.items():
-        if op_id not in reasons:
-            reasons[op_id] = f"error code {row.error_code}" if row.error_code else "no reason"
-    return Counter(f"{reasons[op_id]} [{row.state}]" for op_id, row in flagged.items())
-
-
-def _report(
-    store: Store,
-    sandbox: SandboxServer,
-    *,
-    tenant: str,
-    tally: Tally,
-    webhooks: Counter[str],
-    console: Console,
-) -> bool:
-    with store.engine.connect() as conn:
-        rows = conn.execute(
-            sa.select(operations.c.id, operations.c.state, operations.c.resolution).where(
-                operations.c.tenant_id == tenant
-            )
-        ).all()
-        were_unknown = {
-            op_id
-            for (op_id,) in conn.execute(
-                sa.select(events.c.operation_id).where(
-                    events.c.tenant_id == tenant, events.c.to_state == "outcome_unknown"
-                )
-            )
-        }
-        failures = Counter(
-            code or "-"
-            for (code,) in conn.execute(
-                sa.select(operations.c.error_code).where(
-                    operations.c.tenant_id == tenant, operations.c.state == "failed_final"
-                )
-            )
-        )
-        flagged = attention_reasons(conn, tenant)
-    states = Counter(r.state for r in rows)
-    resolutions = Counter(
-        r.resolution or "-" for r in rows if r.state in ("succeeded", "failed_final")
-    )
-    unknown_resolved = Counter(f"{r.resolution} -> {r.state}" for r in rows if r.id in were_unknown)
-    ledger = sandbox.ledger()
-    effects_per_op: Counter[str] = Counter()
-    for entry in ledger:
-        if entry["status"] in MONEY:
-            effects_per_op[str((entry.get("metadata") or {}).get("operation_id"))] += 1
-    ids = {r.id for r in rows}
-    duplicates = sum(n - 1 for n in effects_per_op.values() if n > 1)
-    orphans = sum(n for op, n in effects_per_op.items() if op not in ids)
-    wrong = [
-        r.id
-        for r in rows
-        if (r.state == State.SUCCEEDED.value and effects_per_op[r.id] != 1)
-        or (r.state == State.FAILED_FINAL.value and effects_per_op[r.id] != 0)
-    ]
-    unsettled = states["in_progress"] + states["outcome_unknown"]
-
-    table = Table(title="operations by state")
-    table.add_column("state")
-    table.add_column("count", justify="right")
-    for state in State:
-        table.add_row(state.value, str(states[state.value]))
-    console.print(table)
-    how = Table(title="how terminal outcomes were reached")
-    how.add_column("resolution")
-    how.add_column("count", justify="right")
-    for name, n in sorted(resolutions.items()):
-        how.add_row(name, str(n))
-    console.print(how)
-    console.print(f"{len(were_unknown)} operations were outcome_unknown; resolved by:")
-    for name, n in sorted(unknown_resolved.items()):
-        console.print(f"  {name}: {n}")
-    console.print(f"failed_final by reason: {dict(sorted(failures.items()))}")
-    console.print(f"webhook deliveries: {dict(sorted(webhooks.items())) or 'none'}")
-    console.print(f"needs_attention: {flagged.total()} operations flagged for a human")
-    for reason, n in sorted(flagged.items()):
-        console.print(f"  {reason}: {n}")
-    money_ops = sum(1 for r in rows if r.state == State.SUCCEEDED.value)
-    console.print(
-        f"provider effects: {sum(effects_per_op.values())} for {money_ops} succeeded "
-        f"operations ({len(rows)} operations, {len(ledger)} ledger entries incl. declines)"
-    )
-    checks = [
-        ("duplicate effects", duplicates, 0),
-        ("effects without an operation", orphans, 0),
-        ("operations whose state and effects disagree", len(wrong), 0),
-        ("operations not settled", unsettled, 0),
-        ("replays that named another operation", len(tally.mismatched_replays), 0),
-        ("changed-amount reuses not refused", tally.reuse_attempts - tally.reuse_refused, 0),
-        ("webhook deliveries that conflicted", webhooks[WebhookStatus.CONFLICT.value], 0),
-    ]
-    ok = True
-    for label, value, expected in checks:
-        good = value == expected
-        ok = ok and good
-        mark = "[green]ok[/green]" if good else "[red]BROKEN[/red]"
-        console.print(f"  {mark} {label}: {value}")
-    console.print(f"duplicates: {duplicates}")
-    console.print(
-        "[bold green]invariants hold[/bold green]"
-        if ok
-        else "[bold red]INVARIANT BROKEN[/bold red]"
-    )
-    return ok

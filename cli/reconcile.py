@@ -29,6 +29,9 @@ Batch = Annotated[
 ]
 
 
+_PROGRESS_STEP = 100  # checks between two progress lines of `reconcile once`
+
+
 def _summary(report: ReconcileReport) -> str:
     outcomes = ", ".join(f"{k}={v}" for k, v in sorted(report.outcomes.items())) or "nothing due"
     released = f", {report.released} released" if report.released else ""
@@ -40,9 +43,26 @@ def once_cmd(
     *, batch: Batch = None, database_url: DatabaseUrl = None, json_: JsonFlag = False
 ) -> None:
     """Run one pass: lease a batch of due operations, query providers, apply evidence."""
+    from payorch import logs
+
+    from .progress import bar, log_every
+
+    logs.command_default(logging.INFO)
     config = settings()
-    with open_store(database_url) as store, reconciler(store, config, batch=batch) as rec:
-        report = rec.reconcile_once()
+    # A long batch reports as it goes: a bar on a terminal, a log line per 100 checks else.
+    lines = log_every(_PROGRESS_STEP, logs.reconcile_progress)
+    with (
+        open_store(database_url) as store,
+        reconciler(store, config, batch=batch) as rec,
+        bar("reconciling", console=err()) as drawn,
+    ):
+
+        def progress(done: int, picked: int) -> None:
+            drawn(done, picked)
+            lines(done, picked)
+
+        report = rec.reconcile_once(progress=progress)
+    logs.reconcile_pass(report.picked, report.outcomes, report.released)
     if json_:
         render.print_json(
             {
@@ -66,26 +86,42 @@ def run_cmd(
     ] = None,
     batch: Batch = None,
     database_url: DatabaseUrl = None,
+    metrics_addr: Annotated[
+        str | None,
+        typer.Option(
+            help="Serve /metrics, /healthz, /readyz on host:port, or 'off' "
+            "(default PAYORCH_METRICS_ADDR, else 127.0.0.1:9464).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Run the reconciler until SIGTERM/SIGINT; the pass in flight finishes first."""
-    from payorch.daemon import ReconcilerDaemon
+    from payorch import logs
+    from payorch.daemon import ReconcilerDaemon, parse_address
 
+    logs.command_default(logging.INFO)
     config = settings()
     seconds = interval or config.reconcile_interval_seconds
+    monitor = parse_address(metrics_addr if metrics_addr is not None else config.metrics_addr)
     # A pass longer than the interval is skipped by design (no overlapping passes); that
     # is not worth a warning line every interval.
     logging.getLogger("apscheduler.scheduler").setLevel(logging.ERROR)
     logging.getLogger("apscheduler.executors").setLevel(logging.ERROR)
-    console = err()  # progress goes to stderr: stdout stays free for the final summary
 
     def on_report(report: ReconcileReport) -> None:
-        if report.picked:
-            console.print(Text(_summary(report)))
+        if report.picked:  # a log line (time, level; --log-format)
+            logs.reconcile_pass(report.picked, report.outcomes, report.released)
 
     with open_store(database_url) as store, reconciler(store, config, batch=batch) as rec:
-        console.print(
-            Text(f"reconciler {rec.owner}: a pass every {seconds:g}s, Ctrl-C or SIGTERM to stop")
+        logs.reconciler_started(rec.owner, seconds)
+        daemon = ReconcilerDaemon(
+            rec, interval=timedelta(seconds=seconds), on_report=on_report, monitor=monitor
         )
-        daemon = ReconcilerDaemon(rec, interval=timedelta(seconds=seconds), on_report=on_report)
-        total = daemon.run()
+
+        def serving() -> None:  # bound, before the first pass
+            if daemon.monitor is not None:
+                url = daemon.monitor.url
+                logs.emit(logs.reconciler_log, logging.INFO, "monitor.started", url=url)
+
+        total = daemon.run(on_start=serving)
     out().print(Text(f"stopped after {daemon.passes} passes; {_summary(total)}"))

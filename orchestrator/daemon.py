@@ -4,23 +4,36 @@ One job, ``max_instances=1`` and ``coalesce=True``: passes never overlap and mis
 collapse into one. SIGTERM/SIGINT set a stop flag: the pass in flight finishes the
 operation it is on, hands the rest of its batch back (leases released), and the process
 exits.
+
+With a monitoring address the daemon also serves, on a small threaded HTTP server:
+``/metrics`` (Prometheus text format; 404 without the ``payorch[metrics]`` extra),
+``/healthz`` (200 while the process runs) and ``/readyz`` (200 when the database answers
+and a pass finished within ``3 x interval``, else 503 with the reason on one line).
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from ipaddress import ip_address
 from types import FrameType
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from .errors import StorageError
+from . import metrics
+from .errors import ConfigurationError, StorageError
+from .probes import OneAtATime, ping
 from .reconciler import Reconciler, ReconcileReport
 
-__all__ = ["ReconcilerDaemon"]
+__all__ = ["MonitorServer", "ReconcilerDaemon", "parse_address"]
+
+STALE_PASSES = 3  # /readyz fails when no pass finished within this many intervals
 
 log = logging.getLogger("payorch.reconciler")
 
@@ -32,6 +45,7 @@ class ReconcilerDaemon:
         *,
         interval: timedelta = timedelta(seconds=5),
         on_report: Callable[[ReconcileReport], None] | None = None,
+        monitor: tuple[str, int] | None = None,
     ) -> None:
         if interval <= timedelta(0):
             raise ValueError("interval must be positive")
@@ -41,6 +55,10 @@ class ReconcilerDaemon:
         self.passes = 0
         self.total = ReconcileReport()
         self._on_report = on_report
+        self._monitor_address = monitor
+        self.monitor: MonitorServer | None = None
+        self.started_at = time.monotonic()
+        self.last_pass_at: float | None = None  # monotonic end of the last successful pass
         self._scheduler = BackgroundScheduler(
             job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": None}
         )
@@ -52,16 +70,39 @@ class ReconcilerDaemon:
             report = self.reconciler.reconcile_once(stop=self.stop_event)
         except StorageError as exc:  # the database is away: one line, the next pass retries
             log.warning("reconcile pass skipped: %s", " ".join(exc.message.split()))
+            metrics.pass_finished("skipped")
             return
         except Exception:  # a bad pass must not kill the daemon; the next one retries
             log.exception("reconcile pass failed")
+            metrics.pass_finished("failed")
             return
+        self.last_pass_at = time.monotonic()
+        metrics.pass_finished("ok")
         self.passes += 1
         self.total.merge(report)
         if self._on_report is not None:
             self._on_report(report)
 
-    def start(self) -> None:
+    def readiness(self) -> str | None:
+        """Why the daemon is not ready (``None``: ready): the database must answer and a
+        pass must have finished within ``STALE_PASSES`` intervals (since start-up, at first)."""
+        since = time.monotonic() - (self.last_pass_at or self.started_at)
+        limit = STALE_PASSES * self.interval.total_seconds()
+        if self.monitor is not None and not self.monitor.database_answers():
+            return "database unreachable"
+        if since > limit:
+            return f"no reconcile pass finished for {since:.1f}s (limit {limit:g}s)"
+        return None
+
+    def start(self, on_start: Callable[[], None] | None = None) -> None:
+        """Bind the monitor (if any), call ``on_start``, then schedule the passes."""
+        if self._monitor_address is not None and self.monitor is None:
+            # Bound first: a taken or invalid address stops start-up before any pass runs.
+            self.monitor = MonitorServer(self, self._monitor_address)
+            self.monitor.start()
+        if on_start is not None:
+            on_start()
+        self.started_at = time.monotonic()
         self._scheduler.add_job(
             self._pass,
             "interval",
@@ -77,9 +118,18 @@ class ReconcilerDaemon:
         self.stop_event.set()
         if self._scheduler.running:
             self._scheduler.shutdown(wait=True)
+        if self.monitor is not None:
+            self.monitor.stop()
 
-    def run(self, *, install_signal_handlers: bool = True) -> ReconcileReport:
-        """Block until SIGTERM/SIGINT (or :meth:`stop` from another thread)."""
+    def run(
+        self,
+        *,
+        install_signal_handlers: bool = True,
+        on_start: Callable[[], None] | None = None,
+    ) -> ReconcileReport:
+        """Block until SIGTERM/SIGINT (or :meth:`stop` from another thread).
+
+        ``on_start`` runs once the monitor is bound, before the first pass."""
         if install_signal_handlers:
 
             def _handler(signum: int, _frame: FrameType | None) -> None:
@@ -88,9 +138,129 @@ class ReconcilerDaemon:
 
             signal.signal(signal.SIGTERM, _handler)
             signal.signal(signal.SIGINT, _handler)
-        self.start()
+        self.start(on_start)
         try:
             self.stop_event.wait()
         finally:
             self.stop()
         return self.total
+
+
+def parse_address(text: str) -> tuple[str, int] | None:
+    """``host:port`` (``[v6]:port`` for IPv6; port 0 picks a free one), or ``off``: ``None``.
+
+    Raises ``ConfigurationError`` (one line) for anything else.
+    """
+    value = text.strip()
+    if value.lower() in {"off", "none", "disabled", ""}:
+        return None
+    host, sep, port_text = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        if ":" not in host:
+            host = ""  # brackets are for IPv6 only
+    elif ":" in host:
+        host = ""  # an IPv6 address needs brackets to be told from its port
+    try:
+        port = int(port_text) if port_text.isdigit() else -1
+        if host and ":" in host:
+            ip_address(host)
+    except ValueError:
+        port = -1
+    if not sep or not host or not 0 <= port <= 65535:
+        raise ConfigurationError(
+            f"metrics address {text!r} is not host:port (e.g. 127.0.0.1:9464), [v6]:port or off"
+        )
+    return host, port
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    # SO_REUSEADDR (http.server's default) lets a restart bind past TIME_WAIT; on Linux it
+    # never lets two listeners share a port, so a taken port still fails.
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class MonitorServer:
+    """``/metrics``, ``/healthz`` and ``/readyz`` for a :class:`ReconcilerDaemon`."""
+
+    def __init__(
+        self, daemon: ReconcilerDaemon, address: tuple[str, int], *, timeout: float = 5.0
+    ) -> None:
+        self.daemon = daemon
+        store = daemon.reconciler.store
+        metrics.watch(store, timeout=timeout)
+        self._ping = OneAtATime(lambda: ping(store), timeout=timeout)
+        host, port = address
+        try:
+            server = _Server6 if ":" in host else _Server
+            self._server = server((host, port), _handler(self))
+        except (OSError, OverflowError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigurationError(
+                f"cannot serve metrics on {host}:{port}: {reason} (set PAYORCH_METRICS_ADDR, "
+                "or off)"
+            ) from None
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="payorch-monitor", daemon=True
+        )
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
+    @property
+    def url(self) -> str:
+        host, port = self.address
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def database_answers(self) -> bool:
+        return self._ping() is True
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._server.shutdown()
+        self._server.server_close()
+
+
+def _handler(monitor: MonitorServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "payorch"
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                exposed = metrics.exposition()
+                if exposed is None:
+                    self._reply(404, b"metrics need the payorch[metrics] extra\n")
+                else:
+                    self._reply(200, *exposed)
+            elif path == "/healthz":
+                self._reply(200, b"ok\n")
+            elif path == "/readyz":
+                problem = monitor.daemon.readiness()
+                if problem is None:
+                    self._reply(200, b"ready\n")
+                else:
+                    self._reply(503, f"not ready: {problem}\n".encode())
+            else:
+                self._reply(404, b"not found: /metrics, /healthz, /readyz\n")
+
+        def _reply(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            log.debug("monitor: " + format, *args)
+
+    return Handler

@@ -3,6 +3,13 @@
 A write that fails before its COMMIT is issued did nothing (``StorageError``). A COMMIT
 that raises without the server saying it rolled back may have committed
 (``CommitUncertain``): the caller must answer "retry the same key", never "nothing happened".
+
+On PostgreSQL the hot writes are single statements run in autocommit
+(:func:`run_statement`): one round trip each, no BEGIN/COMMIT. Such a statement is its own
+COMMIT, so a failure without the server's verdict is uncertain in exactly the same way.
+No pre-ping either: a pooled connection is checked locally at checkout (a closed socket is
+seen without a round trip), and a connection that breaks inside a transaction before its
+COMMIT is retried once on a fresh one.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import select
 import sqlite3
 import weakref
 from collections.abc import Callable
@@ -38,6 +46,7 @@ __all__ = [
     "normalise_url",
     "read_in_transaction",
     "run_in_transaction",
+    "run_statement",
     "schema_of",
 ]
 
@@ -48,6 +57,7 @@ RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
 _SQLITE_BUSY = {sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED}
 MAX_TRANSACTION_ATTEMPTS = 8
 _WRITE_OPTION = "payorch_write"
+_IDLE_READS = 4
 
 
 def normalise_url(url: str | URL) -> URL:
@@ -136,7 +146,8 @@ def _engine_options(
         kwargs.setdefault("pool_size", 10)
         kwargs.setdefault("max_overflow", 20)  # 30 connections: well under a server's 100
         kwargs.setdefault("pool_timeout", 60)
-    kwargs.setdefault("pool_pre_ping", True)
+    # No pre-ping (a round trip per checkout): _configure_postgres checks the socket instead.
+    kwargs.setdefault("pool_pre_ping", False)
     name = _schema(schema)
     if name != "public":
         connect_args = dict(kwargs.pop("connect_args", {}))
@@ -150,6 +161,44 @@ def _configure(engine: Engine, schema: str | None) -> None:
         _configure_sqlite(engine)
     else:
         _SCHEMAS[engine] = schema
+        _configure_postgres(engine)
+
+
+def _configure_postgres(engine: Engine) -> None:
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
+        # The pool then discards it and checks out (or opens) another.
+        if not _pg_alive(dbapi_conn):
+            raise exc.DisconnectionError("pooled PostgreSQL connection found closed")
+
+
+def _pg_alive(dbapi_conn: Any) -> bool:
+    """Whether an idle pooled psycopg connection is still open, without a round trip.
+
+    An idle connection has nothing to read. If its socket is readable, the server has
+    spoken or hung up (a terminated backend sends its FATAL, then closes): read it, and a
+    closed connection shows. Sending a statement there first would make its failure look
+    like one after sending, i.e. uncertain.
+    """
+    conn = getattr(dbapi_conn, "_connection", dbapi_conn)  # the async adapter wraps it
+    pgconn = getattr(conn, "pgconn", None)
+    if pgconn is None:  # pragma: no cover - not psycopg: nothing to look at
+        return True
+    if conn.closed or getattr(conn, "broken", False):
+        return False
+    try:
+        poller = select.poll()
+        poller.register(pgconn.socket, select.POLLIN)
+        # A FATAL message first, then the end of the stream: read until nothing is left.
+        for _ in range(_IDLE_READS):
+            if not poller.poll(0):
+                break
+            pgconn.consume_input()
+        else:
+            return False  # an idle connection that keeps talking is not one to trust
+    except Exception:  # noqa: BLE001 - psycopg.OperationalError or OSError: it is dead
+        return False
+    return bool(pgconn.status == 0)  # CONNECTION_OK
 
 
 def _configure_sqlite(engine: Engine) -> None:
@@ -231,6 +280,15 @@ def _commit_refused(err: exc.SQLAlchemyError) -> bool:
     )
 
 
+def _broken(err: exc.SQLAlchemyError) -> bool:
+    return isinstance(err, exc.DBAPIError) and err.connection_invalidated
+
+
+def _uncertain(err: exc.SQLAlchemyError) -> CommitUncertain:
+    cause = getattr(err, "orig", None) or err
+    return CommitUncertain(f"the database did not confirm a commit (it may have happened): {cause}")
+
+
 def run_in_transaction(engine: Engine, fn: Callable[[Connection], T], *, write: bool = True) -> T:
     """Run ``fn`` in one transaction, again from the start on serialization failure/deadlock.
 
@@ -239,7 +297,10 @@ def run_in_transaction(engine: Engine, fn: Callable[[Connection], T], *, write: 
 
     Raises ``StorageError`` (nothing committed) for a failure before the COMMIT, and
     ``CommitUncertain`` for a write whose COMMIT raised without a verdict from the server.
+    A connection that breaks before the COMMIT is sent committed nothing: the transaction
+    runs once more on a fresh connection.
     """
+    fresh_retry = True
     for attempt in range(MAX_TRANSACTION_ATTEMPTS):
         committing = False
         try:
@@ -252,10 +313,10 @@ def run_in_transaction(engine: Engine, fn: Callable[[Connection], T], *, write: 
                 return result
         except exc.SQLAlchemyError as err:
             if committing and write and not _commit_refused(err):
-                cause = getattr(err, "orig", None) or err
-                raise CommitUncertain(
-                    f"the database did not confirm a commit (it may have happened): {cause}"
-                ) from err
+                raise _uncertain(err) from err
+            if _broken(err) and fresh_retry:
+                fresh_retry = False  # the pool has dropped it; once, so a dead server fails
+                continue
             if (
                 isinstance(err, exc.DBAPIError)
                 and _is_retryable(err)
@@ -266,6 +327,39 @@ def run_in_transaction(engine: Engine, fn: Callable[[Connection], T], *, write: 
                 continue
             raise map_db_error(err) from err
     raise StorageError("transaction retries exhausted")  # pragma: no cover - loop returns/raises
+
+
+def run_statement(engine: Engine, fn: Callable[[Connection], T], *, write: bool = True) -> T:
+    """Run ``fn``, a single statement, as its own transaction: autocommit, one round trip.
+
+    For PostgreSQL (SQLite keeps :func:`run_in_transaction` and its BEGIN IMMEDIATE). The
+    statement is its own COMMIT: a failure the server answered with an error (a SQLSTATE,
+    connection intact) committed nothing and is retried like a transaction when retryable;
+    a write that failed without that verdict (connection lost after it may have been sent)
+    raises ``CommitUncertain``. A connection found dead before anything was sent (checked
+    at checkout) is replaced by the pool and nothing is uncertain.
+    """
+    for attempt in range(MAX_TRANSACTION_ATTEMPTS):
+        sent = False
+        try:
+            with engine.connect() as conn:
+                conn.execution_options(isolation_level="AUTOCOMMIT")
+                sent = True
+                return fn(conn)
+        except exc.SQLAlchemyError as err:
+            if sent and write and not _commit_refused(err):
+                raise _uncertain(err) from err
+            if sent and not write and _broken(err) and attempt == 0:
+                continue  # a read: nothing to be uncertain about, once on a fresh connection
+            if (
+                isinstance(err, exc.DBAPIError)
+                and _is_retryable(err)
+                and attempt + 1 < MAX_TRANSACTION_ATTEMPTS
+            ):
+                pause(random.uniform(0, 0.01 * 2**attempt))  # noqa: S311 - jitter only
+                continue
+            raise map_db_error(err) from err
+    raise StorageError("statement retries exhausted")  # pragma: no cover - loop returns/raises
 
 
 def read_in_transaction(engine: Engine, fn: Callable[[Connection], T]) -> T:

@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from . import logs, metrics, tracing
 from .bridge import pause
 from .core import State, backoff_delay, max_backoff_total
 from .errors import (
@@ -110,6 +111,8 @@ class Executor:
         except KeyError:
             raise UnknownProvider(f"no provider named {name!r} is configured") from None
 
+    @metrics.counts_executions  # what raises; what returns is counted below
+    @tracing.instrumented_execute
     def execute(
         self,
         *,
@@ -129,6 +132,7 @@ class Executor:
         may have (the operation may exist and may have been sent). Both mean "retry the
         same key"; neither permits a new one.
         """
+        started = time.perf_counter()
         prepared = self.registry.prepare(
             tenant_id=tenant_id,
             operation=operation,
@@ -146,14 +150,20 @@ class Executor:
                 f"operation {operation!r} defaults to provider {prepared.new.provider!r}, "
                 "which this executor was not given"
             )
+        seen = metrics.for_execution(prepared.new.operation, adapter.name)
+        claiming = time.perf_counter()
         try:
-            claim = self.store.claim(
-                prepared.new, owner=self.owner, lease=self.lease, possibly_sent=True, wait=wait
-            )
+            with tracing.claim(adapter.name) as span:
+                claim = self.store.claim(
+                    prepared.new, owner=self.owner, lease=self.lease, possibly_sent=True, wait=wait
+                )
+                tracing.set_attributes(span, created=claim.created, replayed=claim.replayed)
         except IdempotencyKeyExpired as exc:
             exc.http_status = prepared.type.expired_status
             raise
+        seen.claimed(time.perf_counter() - claiming)
         if not claim.created:
+            seen.finished("replayed" if claim.replayed else "existing", started)
             return Outcome.from_record(claim.operation, replayed=claim.replayed)
         op_id = claim.operation.id
         try:
@@ -180,6 +190,7 @@ class Executor:
                 operation_id=op_id,
                 retry_after=exc.retry_after,
             ) from exc
+        seen.finished("fresh", started, record.state)
         return Outcome.from_record(record, replayed=False)
 
 
@@ -239,11 +250,16 @@ def submit_and_record(
     )
     # What the provider echoes of a sensitive value is stored nowhere (evidence, response).
     redactor = Redactor.of(record.request, payload)
+    calls = metrics.for_provider(adapter.name)
     attempt = 1
     while True:
         started = time.monotonic()
-        answer, attention = _submit_once(adapter, request)
+        with tracing.attempt(adapter.name, request, attempt) as span:
+            answer, attention = _submit_once(adapter, request)
+            tracing.answered(span, answer)
+        logs.answered(request, attempt, answer)
         answer = redactor.answer(answer)
+        calls.answered("submit", answer.kind, time.monotonic() - started)
         detail = {
             "attempt": attempt,
             "duration_ms": round((time.monotonic() - started) * 1000, 1),
@@ -261,9 +277,11 @@ def submit_and_record(
                 floor=answer.retry_after or 0.0,
             )
             detail["retry_in_ms"] = round(delay * 1000, 1)
+            logs.retrying(request, attempt, answer, delay)
             try:
                 # Records this attempt and renews the lease; the next one is possibly sent.
-                record = store.transition(
+                record = _record(
+                    store,
                     record,
                     State.IN_PROGRESS,
                     kind="attempt",
@@ -275,6 +293,7 @@ def submit_and_record(
                 )
             except StaleVersion:
                 return _late(store, record, owner, detail, answer)
+            calls.retried()
             sleep(delay)
             attempt += 1
             continue
@@ -295,7 +314,8 @@ def submit_and_record(
         if attention:
             values["needs_attention"] = True
         try:
-            return store.transition(
+            done = _record(
+                store,
                 record,
                 decision.state,
                 kind=actor_kind,
@@ -306,6 +326,17 @@ def submit_and_record(
             )
         except StaleVersion:
             return _late(store, record, owner, detail, answer)
+        if attention and not record.needs_attention:
+            metrics.escalated("adapter")  # the adapter could not be trusted: flagged
+        return done
+
+
+def _record(store: Store, record: OperationRecord, state: State, **values: Any) -> OperationRecord:
+    """``store.transition`` under a ``payorch.record`` span, logged once written."""
+    with tracing.record(record, state, values["kind"]):
+        after = store.transition(record, state, **values)
+    logs.transition(record, after, values["kind"], values.get("detail"))
+    return after
 
 
 def _late(
@@ -323,17 +354,22 @@ def _late(
     for _ in range(_LATE_RACES):
         current = store.get(record.tenant_id, record.id)
         reason = late_conflict(current.state, current.provider_reference, answer)
+        logs.late_answer(current, answer, reason)
         if reason is None:
             store.append_event(current, kind="late_answer", actor=owner, detail=detail)
             return current
         conflict = {**detail, "late": True, "conflicts_with": current.state.value}
         conflict["conflict"] = reason
         try:
-            return store.flag_attention(
+            flagged = store.flag_attention(
                 current, kind="conflicting_evidence", actor=owner, detail=conflict
             )
         except StaleVersion:
             continue  # written meanwhile (e.g. flagged by someone else): judge it again
+        logs.transition(current, flagged, "conflicting_evidence", conflict)
+        if not current.needs_attention:
+            metrics.escalated("conflict")
+        return flagged
     # Still racing: keep the evidence even if the flag could not be fenced in.
     store.append_event(current, kind="late_answer", actor=owner, detail=conflict)
     return store.get(record.tenant_id, record.id)

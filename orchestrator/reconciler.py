@@ -18,6 +18,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from . import logs, metrics, tracing
 from .core import State, backoff_delay
 from .errors import ConfigurationError, CorruptRecord, StaleVersion
 from .executor import RetryPolicy, default_owner, submit_and_record
@@ -57,6 +58,7 @@ class ReconcileReport:
 
     def add(self, what: str) -> None:
         self.outcomes[what] += 1
+        metrics.checked(what)  # one check's result: the report and the counter agree
 
     def merge(self, other: ReconcileReport) -> None:
         self.picked += other.picked
@@ -97,8 +99,15 @@ class Reconciler:
 
     # -- one pass ---------------------------------------------------------------------
 
-    def reconcile_once(self, stop: threading.Event | None = None) -> ReconcileReport:
-        """Lease one batch of due operations and settle what evidence allows."""
+    def reconcile_once(
+        self,
+        stop: threading.Event | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> ReconcileReport:
+        """Lease one batch of due operations and settle what evidence allows.
+
+        ``progress(done, picked)`` is called once the batch is leased and after each check.
+        """
         report = ReconcileReport()
         batch = self.store.claim_due(
             owner=self.owner,
@@ -108,6 +117,8 @@ class Reconciler:
             on_quarantine=lambda _exc: report.add("quarantined"),
         )
         report.picked = len(batch)
+        if progress is not None:
+            progress(0, len(batch))
         for i, (record, now) in enumerate(batch):
             if stop is not None and stop.is_set():
                 # Graceful stop: hand the rest back untouched instead of sitting on leases.
@@ -121,6 +132,8 @@ class Reconciler:
                 report.add("lost_race")
             except Exception as exc:  # noqa: BLE001 - one broken operation must not stall the rest
                 report.add(self._check_failed(record, now, exc))
+            if progress is not None:
+                progress(i + 1, len(batch))
         return report
 
     def _check_failed(self, record: OperationRecord, now: datetime, exc: Exception) -> str:
@@ -161,6 +174,7 @@ class Reconciler:
 
     # -- one operation ----------------------------------------------------------------
 
+    @tracing.instrumented_check
     def check(self, record: OperationRecord, now: datetime) -> str:
         """Settle one leased operation from evidence; returns what happened (for reports)."""
         if record.state is State.IN_PROGRESS and not record.possibly_sent:
@@ -181,6 +195,9 @@ class Reconciler:
                 provider_reference=record.provider_reference,
                 payload=record.request or {},
             )
+        )
+        metrics.for_provider(provider.name).answered(
+            "status", answer.kind, time.monotonic() - started
         )
         # Only the stored request is at hand: values under its redacted names go.
         answer = Redactor.of(record.request).answer(answer)
@@ -244,7 +261,7 @@ class Reconciler:
             sa.literal(-(window - self.policy.window_margin).total_seconds())
         )
         try:
-            moved = self.store.transition(
+            moved = self._write(
                 record,
                 State.IN_PROGRESS,
                 kind="resubmit",
@@ -288,7 +305,7 @@ class Reconciler:
         detail: Mapping[str, Any],
         attention: bool = False,
     ) -> None:
-        self.store.transition(
+        self._write(
             record,
             decision.state,
             kind=kind,
@@ -302,6 +319,8 @@ class Reconciler:
             needs_attention=attention,
             provider_reference=decision.provider_reference,
         )
+        if attention and not record.needs_attention:
+            metrics.escalated("evidence")
 
     def _reschedule(
         self,
@@ -325,12 +344,14 @@ class Reconciler:
         )
         too_old = now - record.created_at >= self.policy.max_unknown_age
         flag = attention or record.needs_attention or checks >= self.policy.max_checks or too_old
+        escalation = None
         if flag and not record.needs_attention:
+            escalation = "evidence" if attention else "max_age" if too_old else "max_checks"
             age_s = (now - record.created_at).total_seconds()
             detail["needs_attention"] = (
                 "escalated" if attention else f"{checks} checks, {age_s:.0f}s old"
             )
-        self.store.transition(
+        self._write(
             record,
             State.IN_PROGRESS if keep else State.OUTCOME_UNKNOWN,
             kind=kind,
@@ -341,3 +362,18 @@ class Reconciler:
             needs_attention=flag,
             provider_reference=reference,
         )
+        if escalation is not None:
+            metrics.escalated(escalation)
+
+    def _write(self, record: OperationRecord, state: State, **values: Any) -> OperationRecord:
+        """``store.transition``, logged (an escalation is a WARNING with its reason)."""
+        after = self.store.transition(record, state, **values)
+        logs.transition(
+            record,
+            after,
+            values["kind"],
+            values.get("detail"),
+            logger=logs.reconciler_log,
+            level=logs.DEBUG,  # a batch's lines; the pass is summed up at INFO
+        )
+        return after

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from .core import State
 from .errors import CorruptRecord
 from .tables import Undecodable
 
-__all__ = ["ClaimResult", "EventRecord", "NewOperation", "OperationRecord"]
+__all__ = [
+    "OPERATION_COLUMNS",
+    "ClaimResult",
+    "EventRecord",
+    "NewOperation",
+    "OperationRecord",
+]
 
 # What each column must read back as: (types, nullable). SQLite stores whatever it is given,
 # and an operator may have edited a row by hand, so a record checks its row before use.
@@ -67,6 +73,10 @@ _EVENT_COLUMNS = {
     "detail": "object?",
     "created_at": "time",
 }
+# The record's columns in order: what the hand-written PostgreSQL statements return.
+OPERATION_COLUMNS: tuple[str, ...] = tuple(_OPERATION_COLUMNS)
+_TIME_COLUMNS = tuple(n for n, spec in _OPERATION_COLUMNS.items() if spec.startswith("time"))
+
 # (column, kind, nullable, exact classes accepted at once): built once, read per row.
 Shape = tuple[tuple[str, str, bool, frozenset[type]], ...]
 
@@ -173,7 +183,21 @@ class OperationRecord:
     @classmethod
     def from_row(cls, row: Mapping[Any, Any]) -> OperationRecord:
         """The record a row holds; ``CorruptRecord`` if the row cannot be what it claims."""
-        values = {name: row[name] for name in _OPERATION_COLUMNS}
+        return cls._checked({name: row[name] for name in _OPERATION_COLUMNS})
+
+    @classmethod
+    def from_pg(cls, row: Sequence[Any]) -> OperationRecord:
+        """The record of a row read without SQLAlchemy's types: ``OPERATION_COLUMNS`` in
+        order, timestamps as psycopg hands them (in the session's time zone)."""
+        values = dict(zip(OPERATION_COLUMNS, row, strict=False))
+        for name in _TIME_COLUMNS:
+            value = values[name]
+            if value is not None and value.__class__ is datetime and value.tzinfo is not UTC:
+                values[name] = value.astimezone(UTC)
+        return cls._checked(values)
+
+    @classmethod
+    def _checked(cls, values: dict[str, Any]) -> OperationRecord:
         problem = _problem(values, _OPERATION_SHAPE)
         if problem is None:
             try:

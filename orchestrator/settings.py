@@ -21,6 +21,9 @@ class Settings(BaseSettings):
     lease_seconds: float = Field(default=180.0, gt=0)
     reconcile_interval_seconds: float = Field(default=5.0, gt=0)
     reconcile_batch_size: int = Field(default=50, gt=0, le=1000)
+    # Where `payorch reconcile run` serves /metrics, /healthz and /readyz: host:port,
+    # [v6]:port, or "off". Loopback by default: the numbers are not for the whole network.
+    metrics_addr: str = "127.0.0.1:9464"
     not_found_grace_seconds: float = Field(default=60.0, ge=0)
     max_checks: int = Field(default=20, gt=0)
     max_unknown_age_seconds: float = Field(default=24 * 3600.0, gt=0)

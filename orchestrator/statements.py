@@ -2,6 +2,12 @@
 
 SQLAlchemy then skips statement construction, coercion and cache-key work on every call;
 each statement is still one round trip, fenced exactly as ``store.py`` describes.
+
+On PostgreSQL the executor's writes are single data-modifying statements, written here as
+SQL text (``PG_CLAIM``, ``PG_REREAD``, :func:`pg_transition_sql`) and run in autocommit
+with ``exec_driver_sql``: one round trip each, and no statement compilation or result
+type processing on the client. They return ``OPERATION_COLUMNS`` in order
+(:meth:`OperationRecord.from_pg`), preceded by a kind and followed by the database time.
 """
 
 from __future__ import annotations
@@ -12,16 +18,22 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from .records import OperationRecord
+from .records import OPERATION_COLUMNS, OperationRecord
 from .tables import TERMINAL_STATE_VALUES, db_now, db_now_plus, events, operations
 
 __all__ = [
     "EVENT_INSERT",
+    "PG_CLAIM",
+    "PG_CLAIMED",
+    "PG_EXISTING",
+    "PG_REPLAYED",
+    "PG_REREAD",
     "REPLAY_BY_ID",
     "REPLAY_BY_NAMESPACE",
     "build_claim",
     "build_update",
     "lease_row",
+    "pg_transition_sql",
 ]
 
 
@@ -201,3 +213,114 @@ def build_update(shape: tuple[Any, ...], guard: sa.ColumnElement[bool] | None) -
         .values(**values)
         .returning(*returning)
     )
+
+
+# -- PostgreSQL: one statement per write, as SQL text ------------------------------------
+
+PG_CLAIMED, PG_REPLAYED, PG_EXISTING = 1, 2, 3  # the first column of PG_CLAIM / PG_REREAD
+
+_COLS = ", ".join(OPERATION_COLUMNS)
+_OPS = operations.name
+_EVENTS = events.name
+_TERMINAL = ", ".join(f"'{s}'" for s in TERMINAL_STATE_VALUES)
+_NAMESPACE = (
+    "tenant_id = %(tenant_id)s AND operation = %(operation)s "
+    "AND idempotency_key = %(idempotency_key)s"
+)
+_EVENT_COLUMNS = "tenant_id, id, operation_id, kind, actor, from_state, to_state, version, detail"
+
+
+def _now_plus(param: str) -> str:
+    return f"clock_timestamp() + make_interval(secs => %({param})s::float8)"
+
+
+# A replay's count (replays, last_replayed_at) is bookkeeping, not an outcome: its commit
+# does not wait for the WAL flush, so a storm of duplicates, serialised on the row's lock,
+# is not also serialised on one disk flush each. Only a transaction that counted a replay
+# (and wrote nothing else) is affected; a claim's commit stays synchronous.
+_ASYNC_COMMIT = "set_config('synchronous_commit', 'off', true)"
+
+# The claim with its event, or the replay it counts, or the row as it stands: one statement.
+# All of its parts see one snapshot: a conflicting row committed after it began (a racing
+# duplicate) is seen by none of them, and the statement returns no row at all; the caller
+# then reads it with fresh statements.
+PG_CLAIM = f"""WITH ins AS (
+    INSERT INTO {_OPS} (tenant_id, id, operation, idempotency_key, fingerprint, state, provider,
+        downstream_key, amount, currency, request, retention_seconds, possibly_sent, attempts,
+        checks, needs_attention, lease_owner, lease_expires_at, next_check_at, version,
+        created_at, updated_at)
+    VALUES (%(tenant_id)s, %(id)s, %(operation)s, %(idempotency_key)s, %(fingerprint)s,
+        'in_progress', %(provider)s, %(downstream_key)s, %(amount)s::bigint, %(currency)s,
+        %(request)s::json, %(retention_seconds)s::integer, %(possibly_sent)s::boolean,
+        %(attempts)s::integer, 0, false, %(owner)s, {_now_plus("lease_s")},
+        {_now_plus("lease_s")}, 1, clock_timestamp(), clock_timestamp())
+    ON CONFLICT (tenant_id, operation, idempotency_key) DO NOTHING
+    RETURNING {_COLS}
+), ev AS (
+    INSERT INTO {_EVENTS} ({_EVENT_COLUMNS}, created_at)
+    SELECT tenant_id, %(event_id)s, id, 'claimed', %(owner)s, NULL, 'in_progress', version,
+        %(detail)s::json, clock_timestamp() FROM ins
+), rep AS (
+    UPDATE {_OPS} SET replays = replays + 1, last_replayed_at = clock_timestamp()
+    WHERE {_NAMESPACE} AND fingerprint = %(fingerprint)s AND state IN ({_TERMINAL})
+        AND reaped_at IS NULL AND NOT EXISTS (SELECT FROM ins)
+    RETURNING {_COLS}
+)
+SELECT {PG_CLAIMED}, {_COLS}, clock_timestamp(), NULL FROM ins
+UNION ALL SELECT {PG_REPLAYED}, {_COLS}, clock_timestamp(), {_ASYNC_COMMIT} FROM rep
+UNION ALL SELECT {PG_EXISTING}, {_COLS}, clock_timestamp(), NULL FROM {_OPS}
+    WHERE {_NAMESPACE} AND NOT EXISTS (SELECT FROM ins) AND NOT EXISTS (SELECT FROM rep)"""  # noqa: S608
+
+# A waiter's look at the operation it waits for: counted as a replay if it is one by now.
+PG_REREAD = f"""WITH rep AS (
+    UPDATE {_OPS} SET replays = replays + 1, last_replayed_at = clock_timestamp()
+    WHERE tenant_id = %(tenant_id)s AND id = %(id)s AND fingerprint = %(fingerprint)s
+        AND state IN ({_TERMINAL}) AND reaped_at IS NULL
+    RETURNING {_COLS}
+)
+SELECT {PG_REPLAYED}, {_COLS}, clock_timestamp(), {_ASYNC_COMMIT} FROM rep
+UNION ALL SELECT {PG_EXISTING}, {_COLS}, clock_timestamp(), NULL FROM {_OPS}
+    WHERE tenant_id = %(tenant_id)s AND id = %(id)s AND NOT EXISTS (SELECT FROM rep)"""  # noqa: S608
+
+# (S608 below: the f-strings splice in names and literals of this module only; every value
+# is a bound parameter.)
+
+# Parameters whose type the server cannot take from where they stand.
+_CASTS = {"response": "::json", "possibly_sent": "::boolean", "needs_attention": "::boolean"}
+
+
+def pg_transition_sql(shape: tuple[Any, ...]) -> str:
+    """:func:`build_update`'s UPDATE (same shape, same parameters) with its event row and,
+    when the shape says so, the waiters' NOTIFY: one statement."""
+    plain, lease, next_check, terminal, attempts, checks, notify = shape
+    values: dict[str, str] = {n: f"%(u_{n})s{_CASTS.get(n, '')}" for n in plain}
+    values["state"] = "%(u_state)s"
+    values["version"] = "version + 1"
+    values["updated_at"] = "clock_timestamp()"
+    if lease:
+        values["lease_expires_at"] = values["next_check_at"] = _now_plus("u_lease_s")
+    else:
+        values["lease_owner"] = values["lease_expires_at"] = values["next_check_at"] = "NULL"
+    if next_check:
+        values["next_check_at"] = _now_plus("u_next_s")
+    if terminal:
+        values["completed_at"] = "clock_timestamp()"
+        values["next_check_at"] = "NULL"
+        values["retain_until"] = "clock_timestamp() + make_interval(secs => retention_seconds)"
+    if attempts:
+        values["attempts"] = "attempts + %(u_attempts)s::integer"
+    if checks:
+        values["checks"] = "checks + %(u_checks)s::integer"
+    sets = ", ".join(f"{name} = {expr}" for name, expr in values.items())
+    # Waiters wake on the NOTIFY, sent when this commits.
+    note = ", pg_notify(%(u_channel)s, tenant_id || ':' || id)" if notify else ""
+    return f"""WITH upd AS (
+    UPDATE {_OPS} SET {sets}
+    WHERE tenant_id = %(w_tenant_id)s AND id = %(w_id)s AND version = %(w_version)s::integer
+    RETURNING {_COLS}
+), ev AS (
+    INSERT INTO {_EVENTS} ({_EVENT_COLUMNS}, created_at)
+    SELECT tenant_id, %(e_id)s, id, %(e_kind)s, %(e_actor)s, %(e_from_state)s, state, version,
+        %(e_detail)s::json, clock_timestamp() FROM upd
+)
+SELECT {_COLS}{note} FROM upd"""  # noqa: S608

@@ -6,11 +6,15 @@ Every write is one statement guarded by a constraint or a version:
 * a transition is ``UPDATE ... WHERE version = :v RETURNING`` plus its event row, in one
   transaction; a lost compare-and-set raises :class:`StaleVersion` and changes nothing.
 
+On PostgreSQL the claim and the plain transitions are each one data-modifying statement run
+in autocommit (``statements.PG_CLAIM``, ``pg_transition_sql``): one round trip apiece.
+
 Times are the database's (``db_now``), so hosts with skewed clocks agree on leases.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Collection, Mapping
 from datetime import datetime, timedelta
@@ -21,8 +25,9 @@ import uuid6
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Engine
 
+from . import pg_writes
 from .core import State, check_transition, downstream_key
-from .db import create_engine, read_in_transaction, run_in_transaction
+from .db import create_engine, read_in_transaction, run_in_transaction, run_statement
 from .errors import (
     CommitUncertain,
     CorruptRecord,
@@ -35,6 +40,8 @@ from .errors import (
 from .records import ClaimResult, EventRecord, NewOperation, OperationRecord
 from .statements import (
     EVENT_INSERT,
+    PG_CLAIMED,
+    PG_EXISTING,
     REPLAY_BY_ID,
     REPLAY_BY_NAMESPACE,
     build_claim,
@@ -58,6 +65,7 @@ QUARANTINE_HOLD = timedelta(hours=1)
 # after about as long as the attempt has run so far (a quick call is over soon, a slow one
 # is likely to stay slow), at least 1 s, at most this, and not past a live lease's expiry.
 IN_PROGRESS_RETRY_CAP = 5.0
+_PG_CLAIM_ATTEMPTS = 3  # then the general transaction decides
 
 
 def look_again_after(record: OperationRecord, lease_remaining: float) -> float:
@@ -89,6 +97,7 @@ class Store:
             postgresql.insert if self.dialect == "postgresql" else sqlite.insert
         )
         self._updates: dict[tuple[Any, ...], Any] = {}
+        self._pg_updates: dict[tuple[Any, ...], str] = {}
         self._listener: Listener | None = None
         self._listener_lock = threading.Lock()
 
@@ -136,6 +145,13 @@ class Store:
         """
         op_id = new_id()
         lease_s = lease.total_seconds()
+        if self.is_postgres:
+            fast = self._claim_pg(new, op_id, owner, lease_s, possibly_sent)
+            if fast is not None:
+                record, created, lease_remaining = fast
+                if created:
+                    return ClaimResult(operation=record, created=True)
+                return self._existing(record, new, lease_remaining, wait)
 
         params = {
             "c_tenant_id": new.tenant_id,
@@ -224,19 +240,66 @@ class Store:
             record, created, lease_remaining = run_in_transaction(self.engine, txn)
         except CommitUncertain as exc:
             if not attempted or attempted[0][1]:
-                # Our claim may be durable: the operation may exist, and the reconciler
-                # may send it. Only a retry with the same key can tell, never a new key.
-                raise CommitUncertain(
-                    f"the claim of idempotency key {new.idempotency_key!r} may have committed "
-                    f"as operation {op_id}; retry with the same key later",
-                    operation_id=op_id,
-                    retry_after=1.0,
-                ) from exc
+                raise _claim_uncertain(new, op_id) from exc
             # Someone else's operation holds the namespace; only our audit event is in doubt.
             record, created, lease_remaining = attempted[0]
         if created:
             return ClaimResult(operation=record, created=True)
         return self._existing(record, new, lease_remaining, wait)
+
+    def _claim_pg(
+        self, new: NewOperation, op_id: str, owner: str, lease_s: float, possibly_sent: bool
+    ) -> tuple[OperationRecord, bool, float] | None:
+        """The claim on PostgreSQL: claim + event, or replay counted, or the row, in one
+        statement committed on its own (one round trip). None when the statement could not
+        decide (a racing duplicate it cannot see, or a replay it did not count): the caller
+        then runs the general transaction."""
+        event_id = new_id()
+        for _ in range(_PG_CLAIM_ATTEMPTS):
+            try:
+                found = pg_writes.claim(
+                    self.engine,
+                    new,
+                    op_id=op_id,
+                    event_id=event_id,
+                    owner=owner,
+                    lease_s=lease_s,
+                    possibly_sent=possibly_sent,
+                )
+            except CommitUncertain as exc:
+                raise _claim_uncertain(new, op_id) from exc
+            if found is not None:
+                break
+            # A racing duplicate committed the namespace after our snapshot was taken: we
+            # inserted nothing and saw nothing. A new statement (a new snapshot) sees it.
+        else:
+            return None
+        kind, record, now = found
+        if kind == PG_CLAIMED:
+            return record, True, 0.0
+        noted = _duplicate_kind(record, new)
+        if kind == PG_EXISTING and noted == "replayed":
+            return None  # terminal, yet not counted (reaped meanwhile?): judge it afresh
+        remaining = 0.0
+        if record.lease_expires_at is not None:
+            remaining = (record.lease_expires_at - now).total_seconds()
+        if noted is not None and noted != "replayed":
+            # Conflicts go to the operation's log (stats, audit): a statement of its own.
+            detail = {"offered_fingerprint": new.fingerprint}
+            with contextlib.suppress(CommitUncertain):  # only our audit event is in doubt
+                run_statement(
+                    self.engine,
+                    lambda conn: self._add_event(
+                        conn,
+                        record,
+                        kind=noted,
+                        actor=owner,
+                        from_state=None,
+                        to_state=None,
+                        detail=detail,
+                    ),
+                )
+        return record, False, remaining
 
     def _existing(
         self,
@@ -257,15 +320,10 @@ class Store:
                 operation_id=record.id,
             )
         if record.state is State.IN_PROGRESS and wait is not None and wait > timedelta(0):
-            record = self.wait_until_settled(record, wait)
+            # Each look counts the replay the wait ends in, like any other replay.
+            record = wait_until_settled(self, record, wait, reread=self._reread)
             if record.state is State.IN_PROGRESS and record.lease_expires_at is not None:
                 lease_remaining = (record.lease_expires_at - self.db_time()).total_seconds()
-            elif record.terminal:  # the wait ended in a replay: count it like any other
-                settled = record
-                counted = run_in_transaction(
-                    self.engine, lambda conn: self._count_replay(conn, settled)
-                )
-                record = counted or record
         if record.terminal:
             return ClaimResult(operation=record, created=False, replayed=True)
         if record.state is State.OUTCOME_UNKNOWN:
@@ -389,6 +447,22 @@ class Store:
             bool(checks_delta),
             notify,
         )
+        if self.is_postgres and guard is None and also is None:
+            event = {"id": new_id(), "kind": kind, "actor": actor, "detail": detail}
+            return pg_writes.transition(
+                self.engine,
+                self._pg_updates,
+                record,
+                to_state,
+                shape=shape,
+                plain=plain,
+                event=event,
+                lease=lease,
+                next_check_in=next_check_in,
+                attempts_delta=attempts_delta,
+                checks_delta=checks_delta,
+                channel=NOTIFY_CHANNEL,
+            )
         stmt = self._updates.get(shape) if guard is None else None
         if stmt is None:
             stmt = build_update(shape, guard)
@@ -700,6 +774,30 @@ class Store:
             },
         )
 
+    def _reread(self, record: OperationRecord) -> OperationRecord:
+        """``record`` as it is now, its replay counted if it is terminal (a waiter's look):
+        one statement on PostgreSQL."""
+        if self.is_postgres:
+            return pg_writes.reread(self.engine, record)
+
+        def txn(conn: Connection) -> OperationRecord:
+            counted = self._count_replay(conn, record)
+            if counted is not None:
+                return counted
+            row = (
+                conn.execute(
+                    sa.select(operations).where(
+                        operations.c.tenant_id == record.tenant_id,
+                        operations.c.id == record.id,
+                    )
+                )
+                .mappings()
+                .one()
+            )
+            return OperationRecord.from_row(row)
+
+        return run_in_transaction(self.engine, txn)
+
     def _count_replay(self, conn: Connection, record: OperationRecord) -> OperationRecord | None:
         """Count one replay of ``record`` (terminal, not reaped); the row as it is now."""
         row = (
@@ -744,6 +842,17 @@ class Store:
                 "e_detail": dict(detail) if detail is not None else None,
             },
         )
+
+
+def _claim_uncertain(new: NewOperation, op_id: str) -> CommitUncertain:
+    # Our claim may be durable: the operation may exist, and the reconciler may send it.
+    # Only a retry with the same key can tell, never a new key.
+    return CommitUncertain(
+        f"the claim of idempotency key {new.idempotency_key!r} may have committed "
+        f"as operation {op_id}; retry with the same key later",
+        operation_id=op_id,
+        retry_after=1.0,
+    )
 
 
 def _duplicate_kind(existing: OperationRecord, new: NewOperation) -> str | None:

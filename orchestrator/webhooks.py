@@ -24,6 +24,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from . import logs, metrics, tracing
 from .core import State, operation_id_from_downstream_key, validate_tenant
 from .db import read_in_transaction, run_in_transaction
 from .errors import OperationNotFound, StaleVersion, UnknownProvider, WebhookUnstorable
@@ -37,6 +38,7 @@ from .tables import db_now, operations, webhook_inbox
 __all__ = ["WebhookHandler", "WebhookResult", "WebhookStatus"]
 
 _MAX_RACES = 5
+_log = logs.webhooks_log
 
 
 class WebhookStatus(enum.StrEnum):
@@ -122,6 +124,8 @@ class WebhookHandler:
         self.providers = {p.name: p for p in providers}
         self.actor = actor
 
+    @metrics.counts_webhooks
+    @tracing.instrumented_webhook
     def handle(
         self, tenant_id: str, provider: str, headers: Mapping[str, str], body: bytes
     ) -> WebhookResult:
@@ -193,13 +197,16 @@ class WebhookHandler:
         if contradicts(record.state, event.outcome):
             # A second, different final word: keep both, change nothing, call a human.
             detail["conflicts_with"] = record.state.value
-            self.store.flag_attention(
+            flagged = self.store.flag_attention(
                 record,
                 kind="conflicting_evidence",
                 actor=self.actor,
                 detail=detail,
                 also=inbox.claim(WebhookStatus.CONFLICT),
             )
+            logs.transition(record, flagged, "conflicting_evidence", detail, logger=_log)
+            if not record.needs_attention:
+                metrics.escalated("conflict")
             return inbox.result(WebhookStatus.CONFLICT, record)
         if record.terminal or target is None:
             # Confirms the terminal state, or says "pending": evidence without a change.
@@ -229,6 +236,7 @@ class WebhookHandler:
             needs_attention=False,  # settled by evidence
             also=inbox.claim(WebhookStatus.APPLIED),
         )
+        logs.transition(record, updated, "webhook", detail, logger=_log)
         return inbox.result(WebhookStatus.APPLIED, updated)
 
 

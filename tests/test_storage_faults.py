@@ -1,9 +1,11 @@
 """A storage failure is never "nothing happened": lost COMMIT answers and outcomes not recorded.
 
-PostgreSQL is reached through a loopback TCP proxy that can forward a COMMIT, wait for the
-server's answer (the commit is then durable), drop that answer and cut the connection, or
-refuse every connection (the database "goes down"). SQLite and PostgreSQL alike also get a
-statement-level fault from a trigger while the provider's answer is being recorded.
+PostgreSQL is reached through a loopback TCP proxy that can forward a statement that commits
+(the claim and the outcome are single statements in autocommit, each its own COMMIT), wait
+for the server's answer (the commit is then durable), drop that answer and cut the
+connection, or refuse every connection (the database "goes down"). SQLite and PostgreSQL
+alike also get a statement-level fault from a trigger while the provider's answer is being
+recorded.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class PgProxy:
         return parsed.render_as_string(hide_password=False)
 
     def drop_next_commit_ack(self) -> None:
-        """The next COMMIT reaches the server; its answer never reaches the client."""
+        """The next statement (a COMMIT, or a write in autocommit: its own commit) reaches
+        the server; its answer never reaches the client."""
         with self._lock:
             self._drop_commit_ack = True
 
@@ -118,7 +121,7 @@ class PgProxy:
                         return
                     if sock is client:
                         with self._lock:
-                            if self._drop_commit_ack and b"COMMIT\x00" in data:
+                            if self._drop_commit_ack and _ends_statement(data):
                                 self._drop_commit_ack = False
                                 awaiting_ack = True
                         _send(server, data)
@@ -130,6 +133,12 @@ class PgProxy:
                         return
                     else:
                         _send(client, data)
+
+
+def _ends_statement(data: bytes) -> bool:
+    """Whether client bytes may commit: a COMMIT, or an extended-protocol batch closed by
+    Sync (where a statement in autocommit commits)."""
+    return b"COMMIT\x00" in data or data.endswith(b"S\x00\x00\x00\x04")
 
 
 def _send(sock: socket.socket, data: bytes) -> None:

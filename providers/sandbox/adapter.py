@@ -28,6 +28,7 @@ from standardwebhooks.webhooks import (
     WebhookVerificationError,
 )
 
+from payorch import tracing
 from payorch.errors import (
     ConfigurationError,
     ProviderIdempotencyError,
@@ -216,7 +217,8 @@ class SandboxProvider:
             "POST",
             f"{self._base_url}/v1/operations/{quote(request.operation, safe='')}",
             json=payload,
-            headers={"Idempotency-Key": request.downstream_key},
+            # The current span's traceparent: the provider's logs join our trace.
+            headers=tracing.inject({"Idempotency-Key": request.downstream_key}),
             timeout=self._timeout,
         )
 
@@ -229,7 +231,9 @@ class SandboxProvider:
         else:
             url = f"{self._base_url}/v1/effects"
             params = {"idempotency_key": query.downstream_key}
-        return client.build_request("GET", url, params=params, timeout=self._timeout)
+        return client.build_request(
+            "GET", url, params=params, headers=tracing.inject({}), timeout=self._timeout
+        )
 
     def _send(self, request: httpx.Request) -> httpx.Response:
         return send_with_deadline(

@@ -18,6 +18,7 @@ import socketserver
 import struct
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -37,6 +38,7 @@ __all__ = ["SandboxServer", "serve"]
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20
+REQUEST_LOG_LIMIT = 10_000  # requests kept by SandboxServer.requests()
 SHUTDOWN_GRACE = 2.0  # seconds stop() waits for connection threads
 
 
@@ -194,6 +196,15 @@ class SandboxServer:
     def effects_for(self, operation_id: str) -> list[dict[str, Any]]:
         return [e for e in self.ledger() if e["metadata"].get("operation_id") == operation_id]
 
+    def requests(self) -> list[dict[str, Any]]:
+        """The requests received, oldest first (bounded): method, path and headers
+        (lower-case names), e.g. to see the ``traceparent`` a client sent."""
+        httpd = self._httpd
+        if httpd is None:
+            return []
+        with httpd.received_lock:
+            return [dict(r) for r in httpd.received]
+
     def webhook_deliveries(self) -> list[WebhookDelivery]:
         self._acquirer.ledger.settle_due()  # a read: due settlements emit their events first
         return self._acquirer.outbox.deliveries()
@@ -216,6 +227,8 @@ class _HTTPServer(ThreadingHTTPServer):
         self._lock = threading.Lock()
         self._connections: dict[socket.socket, threading.Thread] = {}
         self._reset: set[socket.socket] = set()
+        self.received: deque[dict[str, Any]] = deque(maxlen=REQUEST_LOG_LIMIT)
+        self.received_lock = threading.Lock()
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
@@ -311,6 +324,10 @@ class _Handler(BaseHTTPRequestHandler):
             reply = error_reply(413, "invalid_request_error", "body_too_large")
         else:
             headers = {k.lower(): v for k, v in self.headers.items()}
+            with httpd.received_lock:
+                httpd.received.append(
+                    {"method": self.command, "path": self.path, "headers": headers}
+                )
             try:
                 reply = acquirer.handle(self.command, self.path, headers, body)
             except Exception:  # answer 500 like a real API and keep serving

@@ -27,6 +27,7 @@ from typing import Self
 
 import httpx
 
+from payorch import tracing
 from payorch.errors import ConfigurationError
 from payorch.provider import (
     Answer,
@@ -244,6 +245,7 @@ class StripeProvider:
         headers = dict(self._headers)
         if call.idempotency_key is not None:
             headers["Idempotency-Key"] = call.idempotency_key
+        tracing.inject(headers)  # the current span's traceparent, when tracing is on
         return client.build_request(
             call.method,
             self._base_url + call.path,

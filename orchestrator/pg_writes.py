@@ -1,0 +1,130 @@
+"""PostgreSQL's hot writes, one statement and one round trip each (see ``statements.py``).
+
+The store decides what to write and what an answer means; this module fills the parameters
+of the SQL-text statements, runs each in autocommit (:func:`~payorch.db.run_statement`) and
+turns the row into a record. Timestamps come from the database; ids from the caller.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy.engine import Engine
+
+from .core import State, downstream_key
+from .db import run_statement
+from .errors import StaleVersion
+from .records import OPERATION_COLUMNS, NewOperation, OperationRecord
+from .statements import PG_CLAIM, PG_REREAD, pg_transition_sql
+
+__all__ = ["claim", "json_param", "reread", "transition"]
+
+_NOW = len(OPERATION_COLUMNS) + 1  # after the kind and the columns: the database time
+
+
+def json_param(value: Any) -> str:
+    """A JSON parameter as SQLAlchemy's JSON type writes it (``None`` as JSON null)."""
+    return json.dumps(dict(value) if isinstance(value, Mapping) else value)
+
+
+def claim(
+    engine: Engine,
+    new: NewOperation,
+    *,
+    op_id: str,
+    event_id: str,
+    owner: str,
+    lease_s: float,
+    possibly_sent: bool,
+) -> tuple[int, OperationRecord, datetime] | None:
+    """``PG_CLAIM``: (its kind, the record, the database time), or None if it saw no row.
+
+    Raises ``CommitUncertain`` if the statement (the claim's commit) went unanswered.
+    """
+    params = {
+        "tenant_id": new.tenant_id,
+        "id": op_id,
+        "operation": new.operation,
+        "idempotency_key": new.idempotency_key,
+        "fingerprint": new.fingerprint,
+        "provider": new.provider,
+        "downstream_key": downstream_key(op_id),
+        "amount": new.amount,
+        "currency": new.currency,
+        "request": json_param(new.request),
+        "retention_seconds": int(new.retention.total_seconds()),
+        "possibly_sent": possibly_sent,
+        "attempts": 1 if possibly_sent else 0,
+        "owner": owner,
+        "lease_s": lease_s,
+        "event_id": event_id,
+        "detail": json_param(
+            {"idempotency_key": new.idempotency_key, "fingerprint": new.fingerprint}
+        ),
+    }
+    row = run_statement(engine, lambda conn: conn.exec_driver_sql(PG_CLAIM, params).first())
+    if row is None:
+        return None
+    return row[0], OperationRecord.from_pg(row[1:]), row[_NOW].astimezone(UTC)
+
+
+def reread(engine: Engine, record: OperationRecord) -> OperationRecord:
+    """``PG_REREAD``: the operation now, its replay counted if it is terminal."""
+    params = {"tenant_id": record.tenant_id, "id": record.id, "fingerprint": record.fingerprint}
+    # A lost answer only leaves a replay count in doubt: nothing to tell the client.
+    row = run_statement(
+        engine, lambda conn: conn.exec_driver_sql(PG_REREAD, params).one(), write=False
+    )
+    return OperationRecord.from_pg(row[1:])
+
+
+def transition(
+    engine: Engine,
+    cache: dict[tuple[Any, ...], str],
+    record: OperationRecord,
+    to_state: State,
+    *,
+    shape: tuple[Any, ...],
+    plain: Mapping[str, Any],
+    event: Mapping[str, Any],
+    lease: timedelta | None,
+    next_check_in: timedelta | None,
+    attempts_delta: int,
+    checks_delta: int,
+    channel: str,
+) -> OperationRecord:
+    """``pg_transition_sql(shape)`` (built once per shape, kept in ``cache``): the fenced
+    UPDATE, its event (``event``: id, kind, actor, detail) and the NOTIFY; StaleVersion
+    if the version moved."""
+    sql = cache.get(shape)
+    if sql is None:
+        sql = cache[shape] = pg_transition_sql(shape)
+    params: dict[str, Any] = {f"u_{k}": v for k, v in plain.items()}
+    if "response" in plain:
+        params["u_response"] = json_param(plain["response"])
+    params.update(
+        u_state=to_state.value,
+        w_tenant_id=record.tenant_id,
+        w_id=record.id,
+        w_version=record.version,
+        u_lease_s=lease.total_seconds() if lease is not None else None,
+        u_next_s=next_check_in.total_seconds() if next_check_in is not None else None,
+        u_attempts=attempts_delta,
+        u_checks=checks_delta,
+        u_channel=channel,
+        e_id=event["id"],
+        e_kind=event["kind"],
+        e_actor=event["actor"],
+        e_from_state=record.state.value,
+        e_detail=json_param(event["detail"]),
+    )
+    row = run_statement(engine, lambda conn: conn.exec_driver_sql(sql, params).first())
+    if row is None:
+        raise StaleVersion(
+            f"operation {record.id} changed since version {record.version}",
+            operation_id=record.id,
+        )
+    return OperationRecord.from_pg(row)

@@ -28,6 +28,15 @@ Batch = Annotated[
     ),
 ]
 
+Concurrency = Annotated[
+    int | None,
+    typer.Option(
+        help="Checks run at once per pass, at most the database pool's size "
+        "(default PAYORCH_RECONCILE_CONCURRENCY, else 8).",
+        show_default=False,
+    ),
+]
+
 
 _PROGRESS_STEP = 100  # checks between two progress lines of `reconcile once`
 
@@ -40,7 +49,11 @@ def _summary(report: ReconcileReport) -> str:
 
 @reconcile_app.command("once")
 def once_cmd(
-    *, batch: Batch = None, database_url: DatabaseUrl = None, json_: JsonFlag = False
+    *,
+    batch: Batch = None,
+    concurrency: Concurrency = None,
+    database_url: DatabaseUrl = None,
+    json_: JsonFlag = False,
 ) -> None:
     """Run one pass: lease a batch of due operations, query providers, apply evidence."""
     from payorch import logs
@@ -53,7 +66,7 @@ def once_cmd(
     lines = log_every(_PROGRESS_STEP, logs.reconcile_progress)
     with (
         open_store(database_url) as store,
-        reconciler(store, config, batch=batch) as rec,
+        reconciler(store, config, batch=batch, concurrency=concurrency) as rec,
         bar("reconciling", console=err()) as drawn,
     ):
 
@@ -85,6 +98,7 @@ def run_cmd(
         ),
     ] = None,
     batch: Batch = None,
+    concurrency: Concurrency = None,
     database_url: DatabaseUrl = None,
     metrics_addr: Annotated[
         str | None,
@@ -95,7 +109,10 @@ def run_cmd(
         ),
     ] = None,
 ) -> None:
-    """Run the reconciler until SIGTERM/SIGINT; the pass in flight finishes first."""
+    """Run the reconciler until SIGTERM/SIGINT; the checks in flight finish first.
+
+    While work is due, passes follow one another; once a pass finds nothing, the next
+    comes after the interval."""
     from payorch import logs
     from payorch.daemon import ReconcilerDaemon, parse_address
 
@@ -112,7 +129,10 @@ def run_cmd(
         if report.picked:  # a log line (time, level; --log-format)
             logs.reconcile_pass(report.picked, report.outcomes, report.released)
 
-    with open_store(database_url) as store, reconciler(store, config, batch=batch) as rec:
+    with (
+        open_store(database_url) as store,
+        reconciler(store, config, batch=batch, concurrency=concurrency) as rec,
+    ):
         logs.reconciler_started(rec.owner, seconds)
         daemon = ReconcilerDaemon(
             rec, interval=timedelta(seconds=seconds), on_report=on_report, monitor=monitor

@@ -161,7 +161,12 @@ def build_providers(config: Settings) -> list[Provider]:
 
 @contextmanager
 def reconciler(
-    store: Store, config: Settings, *, owner: str | None = None, batch: int | None = None
+    store: Store,
+    config: Settings,
+    *,
+    owner: str | None = None,
+    batch: int | None = None,
+    concurrency: int | None = None,
 ) -> Iterator[Reconciler]:
     """A reconciler configured from ``config``; its adapters' HTTP clients close on exit."""
     from payorch.reconciler import Reconciler, ReconcilerPolicy
@@ -172,6 +177,7 @@ def reconciler(
         not_found_grace=timedelta(seconds=config.not_found_grace_seconds),
         max_checks=config.max_checks,
         max_unknown_age=timedelta(seconds=config.max_unknown_age_seconds),
+        concurrency=concurrency if concurrency is not None else config.reconcile_concurrency,
     )
     providers = build_providers(config)
     try:

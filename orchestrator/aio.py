@@ -14,6 +14,7 @@ attempt possibly sent leaves the operation for the reconciler, as after ``kill -
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import threading
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
@@ -180,10 +181,19 @@ class AsyncReconciler:
         tenant_ids: Collection[str] | None = None,
     ) -> None:
         self.store = store
+        # Checks run one at a time: under the greenlet bridge every database call must stay
+        # in the awaiting task's greenlet, so the sync twin's worker threads cannot be used.
+        # Drain large backlogs with the sync daemon (`payorch reconcile run`) or several tasks.
+        policy = policy or ReconcilerPolicy()
+        if policy.concurrency not in (None, 1):
+            raise ConfigurationError(
+                f"AsyncReconciler checks one operation at a time (concurrency "
+                f"{policy.concurrency} given); use the sync Reconciler for concurrent checks"
+            )
         self._sync = Reconciler(
             store=store.sync,
             providers=_bridged(providers),
-            policy=policy,
+            policy=dataclasses.replace(policy, concurrency=1),
             owner=owner,
             submit_retry=submit_retry,
             rand=rand,

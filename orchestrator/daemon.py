@@ -1,9 +1,10 @@
 """``payorch reconcile run``: the reconciler on an APScheduler interval.
 
 One job, ``max_instances=1`` and ``coalesce=True``: passes never overlap and missed ones
-collapse into one. SIGTERM/SIGINT set a stop flag: the pass in flight finishes the
-operation it is on, hands the rest of its batch back (leases released), and the process
-exits.
+collapse into one. A job drains: it runs passes back to back until one picks nothing (or
+the stop flag is set), then the interval begins. SIGTERM/SIGINT set a stop flag: the
+checks in flight finish, the rest of the batch is handed back (leases released), and the
+process exits.
 
 With a monitoring address the daemon also serves, on a small threaded HTTP server:
 ``/metrics`` (Prometheus text format; 404 without the ``payorch[metrics]`` extra),
@@ -64,24 +65,30 @@ class ReconcilerDaemon:
         )
 
     def _pass(self) -> None:
-        if self.stop_event.is_set():
-            return
+        """Passes back to back while work is due; the interval starts once one finds nothing."""
+        while not self.stop_event.is_set():
+            report = self._one_pass()
+            if report is None or report.picked == 0:
+                return
+
+    def _one_pass(self) -> ReconcileReport | None:
         try:
             report = self.reconciler.reconcile_once(stop=self.stop_event)
         except StorageError as exc:  # the database is away: one line, the next pass retries
             log.warning("reconcile pass skipped: %s", " ".join(exc.message.split()))
             metrics.pass_finished("skipped")
-            return
+            return None
         except Exception:  # a bad pass must not kill the daemon; the next one retries
             log.exception("reconcile pass failed")
             metrics.pass_finished("failed")
-            return
+            return None
         self.last_pass_at = time.monotonic()
         metrics.pass_finished("ok")
         self.passes += 1
         self.total.merge(report)
         if self._on_report is not None:
             self._on_report(report)
+        return report
 
     def readiness(self) -> str | None:
         """Why the daemon is not ready (``None``: ready): the database must answer and a

@@ -7,12 +7,13 @@ checks or age, is flagged ``needs_attention`` for a human.
 
 from __future__ import annotations
 
+import contextvars
 import random
 import threading
 import time
-from collections import Counter
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -25,6 +26,7 @@ from .executor import RetryPolicy, default_owner, submit_and_record
 from .operations import REDACTED
 from .outcome import ABANDONED, Decision, settled
 from .provider import AnswerKind, Provider, StatusQuery
+from .reconcile_policy import DEFAULT_CONCURRENCY, ReconcileReport, ReconcilerPolicy
 from .records import OperationRecord
 from .redaction import Redactor
 from .store import Store
@@ -33,37 +35,10 @@ from .tables import db_now_plus, operations
 __all__ = ["ReconcileReport", "Reconciler", "ReconcilerPolicy"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class ReconcilerPolicy:
-    lease: timedelta = timedelta(seconds=60)
-    batch_size: int = 50
-    not_found_grace: timedelta = timedelta(seconds=60)  # providers are eventually consistent
-    # Re-submit only while the provider's key window still covers us, with this margin.
-    window_margin: timedelta = timedelta(minutes=10)
-    base_delay: float = 2.0
-    max_delay: float = 300.0
-    max_checks: int = 20
-    max_unknown_age: timedelta = timedelta(hours=24)
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.max_checks < 1 or self.base_delay <= 0:
-            raise ConfigurationError("reconciler policy: batch, checks and delays must be > 0")
-
-
-@dataclass
-class ReconcileReport:
-    picked: int = 0
-    outcomes: Counter[str] = field(default_factory=Counter)
-    released: int = 0
-
-    def add(self, what: str) -> None:
-        self.outcomes[what] += 1
-        metrics.checked(what)  # one check's result: the report and the counter agree
-
-    def merge(self, other: ReconcileReport) -> None:
-        self.picked += other.picked
-        self.outcomes.update(other.outcomes)
-        self.released += other.released
+def _pool_size(store: Store) -> int | None:
+    """The store's pooled connections (a QueuePool's size), or None if it does not pool."""
+    size = getattr(store.engine.pool, "size", None)
+    return int(size()) if callable(size) else None
 
 
 class Reconciler:
@@ -86,6 +61,20 @@ class Reconciler:
         self._rand = rand
         # None: every tenant. A set: only those (a daemon per shard, or the demo's own).
         self.tenant_ids = frozenset(tenant_ids) if tenant_ids is not None else None
+        pool = _pool_size(store)
+        wanted = self.policy.concurrency
+        if wanted is not None and pool is not None and wanted > pool:
+            raise ConfigurationError(
+                f"reconciler concurrency {wanted} exceeds the store's pool of {pool} "
+                "connections; lower the concurrency or raise the pool size"
+            )
+        self.concurrency = wanted or min(DEFAULT_CONCURRENCY, pool or DEFAULT_CONCURRENCY)
+        # The longest one check may take: a check whose claimed lease has less than this
+        # left when it starts (it queued behind others) renews its lease first.
+        self.check_bound = self.policy.lease
+        bounds = [p.max_call_duration * 3 + timedelta(seconds=1) for p in self.providers.values()]
+        if bounds:
+            self.check_bound = max(bounds)
         for p in self.providers.values():
             # A check may cost three calls: a lookup by metadata, a read by reference, and
             # a re-submission. The lease must cover them all.
@@ -106,9 +95,16 @@ class Reconciler:
     ) -> ReconcileReport:
         """Lease one batch of due operations and settle what evidence allows.
 
+        Up to ``concurrency`` checks run at once, each in a worker thread. The batch is
+        leased for one check's time; a check that starts with less than one check's bound
+        left on that lease (it waited behind others) first renews its own lease, fenced by
+        version, so every check runs under a lease that covers it and an operation whose
+        lease lapsed and was taken by another reconciler is skipped (``lost_race``).
         ``progress(done, picked)`` is called once the batch is leased and after each check.
         """
         report = ReconcileReport()
+        # Measured before the claim: the lease was set by the DB clock after this instant.
+        claimed_at = time.monotonic()
         batch = self.store.claim_due(
             owner=self.owner,
             lease=self.policy.lease,
@@ -119,22 +115,75 @@ class Reconciler:
         report.picked = len(batch)
         if progress is not None:
             progress(0, len(batch))
-        for i, (record, now) in enumerate(batch):
+        if not batch:
+            return report
+        pending = deque(batch)
+        if self.concurrency == 1:
+            return self._check_inline(batch, report, claimed_at, stop, progress)
+        running: dict[Future[str], OperationRecord] = {}
+        done = 0
+        workers = min(self.concurrency, len(batch))
+        with ThreadPoolExecutor(workers, thread_name_prefix="payorch-check") as pool:
+            while pending or running:
+                if stop is not None and stop.is_set():
+                    # Graceful stop: checks in flight finish; the rest go back untouched
+                    # instead of sitting on leases.
+                    while pending:
+                        self.store.release(pending.popleft()[0])
+                        report.released += 1
+                while pending and len(running) < self.concurrency:
+                    record, now = pending.popleft()
+                    # Each check in its own thread, under the caller's tracing context.
+                    ctx = contextvars.copy_context()
+                    job = pool.submit(ctx.run, self._check_leased, record, now, claimed_at)
+                    running[job] = record
+                if not running:
+                    break
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for job in finished:
+                    del running[job]
+                    report.add(job.result())  # the report and its callbacks: this thread only
+                    done += 1
+                    if progress is not None:
+                        progress(done, len(batch))
+        return report
+
+    def _check_inline(
+        self,
+        batch: list[tuple[OperationRecord, datetime]],
+        report: ReconcileReport,
+        claimed_at: float,
+        stop: threading.Event | None,
+        progress: Callable[[int, int], None] | None,
+    ) -> ReconcileReport:
+        """One check at a time in the calling thread: no pool, and the only way under the
+        async bridge, where database I/O must stay in the caller's greenlet."""
+        for done, (record, now) in enumerate(batch, start=1):
             if stop is not None and stop.is_set():
-                # Graceful stop: hand the rest back untouched instead of sitting on leases.
-                for rest, _ in batch[i:]:
+                for rest, _ in batch[done - 1 :]:
                     self.store.release(rest)
                     report.released += 1
                 break
-            try:
-                report.add(self.check(record, now))
-            except StaleVersion:
-                report.add("lost_race")
-            except Exception as exc:  # noqa: BLE001 - one broken operation must not stall the rest
-                report.add(self._check_failed(record, now, exc))
+            report.add(self._check_leased(record, now, claimed_at))
             if progress is not None:
-                progress(i + 1, len(batch))
+                progress(done, len(batch))
         return report
+
+    def _check_leased(self, record: OperationRecord, now: datetime, claimed_at: float) -> str:
+        """One check of a claimed operation, renewing its lease first if the wait ate it."""
+        try:
+            left = self.policy.lease.total_seconds() - (time.monotonic() - claimed_at)
+            if left < self.check_bound.total_seconds():
+                # Queued behind other checks: restart the lease so it covers this check.
+                # Fenced by version: if it lapsed and another reconciler took it, we skip.
+                record, now = self.store.renew_lease(
+                    record, owner=self.owner, lease=self.policy.lease
+                )
+            return self.check(record, now)
+        except StaleVersion:
+            return "lost_race"
+        except Exception as exc:  # noqa: BLE001 - one broken operation must not stall the rest
+            return self._check_failed(record, now, exc)
 
     def _check_failed(self, record: OperationRecord, now: datetime, exc: Exception) -> str:
         """Record the error as an event and look again later, with backoff."""

@@ -21,6 +21,9 @@ class Settings(BaseSettings):
     lease_seconds: float = Field(default=180.0, gt=0)
     reconcile_interval_seconds: float = Field(default=5.0, gt=0)
     reconcile_batch_size: int = Field(default=50, gt=0, le=1000)
+    # Checks run at once per pass (unset: 8, or the pool size if smaller); 0 or more than
+    # the database pool's size is refused at start-up by the reconciler.
+    reconcile_concurrency: int | None = None
     # Where `payorch reconcile run` serves /metrics, /healthz and /readyz: host:port,
     # [v6]:port, or "off". Loopback by default: the numbers are not for the whole network.
     metrics_addr: str = "127.0.0.1:9464"

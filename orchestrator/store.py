@@ -712,6 +712,40 @@ class Store:
 
         run_in_transaction(self.engine, txn)
 
+    def renew_lease(
+        self, record: OperationRecord, *, owner: str, lease: timedelta
+    ) -> tuple[OperationRecord, datetime]:
+        """Restart ``owner``'s lease on ``record`` (``lease`` from now); with the DB time.
+
+        Fenced by version and owner, even when the lease has lapsed: a lapsed lease nobody
+        took meanwhile is still ours. Raises StaleVersion if anyone else wrote it.
+        """
+        t = operations.c
+        renew = (
+            sa.update(operations)
+            .where(
+                t.tenant_id == record.tenant_id,
+                t.id == record.id,
+                t.version == record.version,
+                t.lease_owner == owner,
+                t.state.in_(("in_progress", "outcome_unknown")),
+            )
+            .values(
+                lease_expires_at=db_now_plus(sa.literal(lease.total_seconds())),
+                version=t.version + 1,
+                updated_at=db_now(),
+            )
+            .returning(*operations.c, db_now().label("_now"))
+        )
+
+        def txn(conn: Connection) -> tuple[OperationRecord, datetime]:
+            row = conn.execute(renew).mappings().first()
+            if row is None:
+                raise StaleVersion(f"operation {record.id} changed", operation_id=record.id)
+            return OperationRecord.from_row(row), row["_now"]
+
+        return run_in_transaction(self.engine, txn)
+
     # -- waiting ----------------------------------------------------------------------
 
     def wait_until_settled(self, record: OperationRecord, wait: timedelta) -> OperationRecord:

@@ -22,7 +22,7 @@ from test_webhooks import signed
 
 from payorch import AsyncExecutor, AsyncReconciler, AsyncStore, AsyncWebhookHandler
 from payorch.core import State
-from payorch.errors import OperationInProgress
+from payorch.errors import ConfigurationError, OperationInProgress
 from payorch.operations import default_registry
 from payorch.outcome import Outcome
 from payorch.provider import Answer, AnswerKind, DeadlineExceeded, SubmitRequest
@@ -299,3 +299,21 @@ def _request(operation_id: str) -> SubmitRequest:
         downstream_key=f"dk-{operation_id}",
         payload=PAYMENT,
     )
+
+
+def test_the_async_reconciler_refuses_concurrent_checks(db_url: str) -> None:
+    async def main() -> None:
+        async with (
+            SandboxProvider(
+                base_url="http://127.0.0.1:9", timeout=FAST_TIMEOUT, deadline=timedelta(seconds=1)
+            ) as provider,
+            async_executor(db_url, provider, lease=timedelta(seconds=30)) as ex,
+        ):
+            with pytest.raises(ConfigurationError, match="one operation at a time"):
+                AsyncReconciler(
+                    store=ex.store,
+                    providers=[provider],
+                    policy=ReconcilerPolicy(lease=timedelta(seconds=30), concurrency=4),
+                )
+
+    asyncio.run(main())

@@ -59,11 +59,16 @@ class AsyncBench:
                 if out.state is not State.SUCCEEDED or out.replayed:
                     unexpected += 1
 
-        began = time.perf_counter()
+        began, cpu_began = time.perf_counter(), time.process_time()
         await asyncio.gather(*(body(t) for t in range(tasks)))
         seconds = time.perf_counter() - began
         return bx.RunResult(
-            threads=tasks, ops=total, seconds=seconds, latencies=latencies, unexpected=unexpected
+            threads=tasks,
+            ops=total,
+            seconds=seconds,
+            latencies=latencies,
+            unexpected=unexpected,
+            cpu_seconds=time.process_time() - cpu_began,
         )
 
     def close(self) -> None:

@@ -45,9 +45,12 @@ def conninfo_of(url: str) -> str:
 
 
 @contextmanager
-def postgres_server() -> Iterator[Server]:
-    """The server to benchmark on; a throwaway cluster is stopped and deleted afterwards."""
-    env_url = os.environ.get(ENV_URL)
+def postgres_server(*, durable: bool = True, use_env: bool = True) -> Iterator[Server]:
+    """The server to benchmark on; a throwaway cluster is stopped and deleted afterwards.
+
+    ``durable``: the throwaway cluster keeps the server's default durability (the headline);
+    otherwise it runs with ``fsync=off`` like the test suite's (the secondary row)."""
+    env_url = os.environ.get(ENV_URL) if use_env else None
     if env_url:
         yield Server(
             url=normalise_url(env_url).render_as_string(hide_password=False), origin=ENV_URL
@@ -56,10 +59,13 @@ def postgres_server() -> Iterator[Server]:
     sys.path.insert(0, str(REPO / "tests"))
     from pgcluster import Cluster  # the test suite's throwaway cluster
 
-    cluster = Cluster()
+    cluster = Cluster(durable=durable)
     try:
         url = cluster.start()
-        yield Server(url=url, origin=f"throwaway cluster (tests/pgcluster.py, {cluster.bindir})")
+        kind = "server-default durability" if durable else "fsync=off"
+        yield Server(
+            url=url, origin=f"throwaway cluster, {kind} (tests/pgcluster.py, {cluster.bindir})"
+        )
     finally:
         cluster.stop()
 
@@ -84,7 +90,14 @@ def fresh_database(server: Server, prefix: str) -> Iterator[Database]:
 
 def server_settings(conninfo: str) -> dict[str, str]:
     """The settings that decide what a commit costs, as the server reports them."""
-    names = ("fsync", "synchronous_commit", "full_page_writes", "shared_buffers", "wal_level")
+    names = (
+        "fsync",
+        "synchronous_commit",
+        "full_page_writes",
+        "wal_sync_method",
+        "shared_buffers",
+        "wal_level",
+    )
     out: dict[str, str] = {}
     with psycopg.connect(conninfo, autocommit=True) as conn:
         row = conn.execute("SHOW server_version").fetchone()

@@ -56,6 +56,11 @@ class RunResult:
     seconds: float
     latencies: list[float]  # seconds per operation, all threads
     unexpected: int  # operations that did not come out as the workload expected
+    cpu_seconds: float = 0.0  # client process CPU (time.process_time) over the timed loop
+
+    @property
+    def cpu_ms_per_op(self) -> float:
+        return self.cpu_seconds / self.ops * 1000 if self.ops else 0.0
 
     @property
     def ops_per_s(self) -> float:
@@ -112,10 +117,11 @@ def run_threads(threads: int, total: int, factory: Factory) -> RunResult:
     for thread in pool:
         thread.start()
     start_line.wait()
-    began = time.perf_counter()
+    began, cpu_began = time.perf_counter(), time.process_time()
     for thread in pool:
         thread.join()
     seconds = time.perf_counter() - began
+    cpu_seconds = time.process_time() - cpu_began
     for worker in workers:
         worker.close()
     if errors:
@@ -126,6 +132,7 @@ def run_threads(threads: int, total: int, factory: Factory) -> RunResult:
         seconds=seconds,
         latencies=[x for per in latencies for x in per],
         unexpected=sum(unexpected),
+        cpu_seconds=cpu_seconds,
     )
 
 
@@ -137,6 +144,7 @@ def merge(parts: list[RunResult]) -> RunResult:
         seconds=sum(p.seconds for p in parts),
         latencies=[x for p in parts for x in p.latencies],
         unexpected=sum(p.unexpected for p in parts),
+        cpu_seconds=sum(p.cpu_seconds for p in parts),
     )
 
 

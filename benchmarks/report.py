@@ -134,7 +134,9 @@ def _print_header(console: Console, report: Report, opts: Options) -> None:
         console.print(
             f"[bold yellow]server settings: fsync={env['fsync']} "
             f"synchronous_commit={env['synchronous_commit']} "
-            f"full_page_writes={env['full_page_writes']}[/] shared_buffers={env['shared_buffers']}"
+            f"full_page_writes={env['full_page_writes']} "
+            f"wal_sync_method={env.get('wal_sync_method', '?')}[/] "
+            f"shared_buffers={env['shared_buffers']}"
         )
         if env["fsync"] == "off" or env["synchronous_commit"] == "off":
             console.print(
@@ -171,6 +173,7 @@ def _print_postgres(console: Console, report: Report, opts: Options) -> None:
             "+ms/op",
             "no pre-ping",
             "no-ping/floor",
+            "CPU ms/op e / f",
         ),
         bold=("execute/floor",),
     )
@@ -192,6 +195,7 @@ def _print_postgres(console: Console, report: Report, opts: Options) -> None:
             _extra_ms(fresh, floor),
             _ops(unpinged),
             _ratio(unpinged, floor),
+            f"{fresh.cpu_ms_per_op:.2f} / {floor.cpu_ms_per_op:.2f}" if fresh and floor else "-",
         )
     console.print(t)
     console.print(
@@ -200,8 +204,10 @@ def _print_postgres(console: Console, report: Report, opts: Options) -> None:
         "UPDATE + commit; plain psycopg 3, narrow scratch table.\n"
         "  same SQL: payorch's own statements (claim + event; fenced update + event + "
         "NOTIFY) hand-written in psycopg on copies of its tables.\n"
-        "  no pre-ping: execute() on an engine created with pool_pre_ping=False (payorch's "
-        "default engine pings on every pool checkout, two checkouts per operation)."
+        "  no pre-ping: execute() on an engine created with pool_pre_ping=False explicitly "
+        "(payorch's default engine no longer pings either: the two arms should match).\n"
+        "  CPU ms/op e / f: client process CPU (time.process_time) per operation, execute() / "
+        "floor; includes the in-process provider."
     )
     t = _table(
         "PostgreSQL: replays, execute() of a key that already succeeded (ops/s; p50 / p99 ms)",

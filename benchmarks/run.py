@@ -1,8 +1,8 @@
 """payorch benchmarks: ``execute()`` against a raw two-commit floor, and the reconciler's scan
 cost against table size. Prints figures and ratios; asserts nothing.
 
-    .venv/bin/python benchmarks/run.py            # what `make bench` runs (under 2 minutes)
-    .venv/bin/python benchmarks/run.py --quick    # smaller counts, a smoke run
+    .venv/bin/python benchmarks/run.py            # what `make bench` runs (~9 minutes)
+    .venv/bin/python benchmarks/run.py --quick    # smaller counts (~1.5 minutes)
 
 PostgreSQL comes from $PAYORCH_BENCH_DATABASE_URL or a throwaway cluster started with
 tests/pgcluster.py (stopped and deleted at the end); every database the run creates is
@@ -31,9 +31,12 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_db
+import bench_drain
 import bench_execute as bx
+import bench_goals
 import bench_metrics
 import bench_scan
+import bench_storm
 import bench_tracing
 from bench_async import AsyncBench
 from report import Options, Report, print_report
@@ -45,6 +48,8 @@ from payorch.store import Store
 
 TENANT = "bench-shop"
 DEFAULT_SIZES = "10000,100000,300000"
+DRAIN: tuple[int, tuple[int, ...], int] = (10000, (1, 4), 20)  # operations, daemons, concurrency
+EXTRA: tuple[int, bool] = (10, True)  # duplicate storms, run the fsync=off secondary
 Say = Callable[[str], None]
 
 
@@ -186,7 +191,68 @@ def bench_sqlite(opts: Options, report: Report, say: Say) -> None:
             aio.close()
 
 
+def bench_fsync_off(opts: Options, report: Report, say: Say) -> None:
+    """The secondary row: floor and execute() on a second, fsync=off cluster."""
+    say("starting a second PostgreSQL with fsync=off (secondary row)")
+    with (
+        bench_db.postgres_server(durable=False, use_env=False) as server,
+        bench_db.fresh_database(server, "payorch_bench_nofsync") as db,
+    ):
+        s = bench_db.server_settings(db.conninfo)
+        report.environment["fsync_off_settings"] = (
+            f"fsync={s['fsync']} synchronous_commit={s['synchronous_commit']} "
+            f"full_page_writes={s['full_page_writes']}"
+        )
+        bx.prepare_pg_floors(db.conninfo)
+        store = Store.from_url(db.url)
+        arms = [
+            bx.Arm(name="floor", fresh=bx.pg_floor_workload(db.conninfo, TENANT)),
+            bx.Arm(
+                name="execute",
+                fresh=bx.execute_workload(instant_executor(store, "bench-nofsync"), TENANT),
+            ),
+        ]
+        try:
+            for n in opts.threads:
+                say(f"PostgreSQL fsync=off, {n} thread(s): floor and execute(), interleaved")
+                report.add(
+                    "fsync_off",
+                    n,
+                    bx.interleave(
+                        arms,
+                        threads=n,
+                        total=opts.pg_ops(n),
+                        replays=0,
+                        rounds=opts.rounds,
+                        warmup=opts.warmup,
+                    ),
+                )
+        finally:
+            store.close()
+
+
 # -- command line -------------------------------------------------------------------------------
+
+
+def bench_backlog(server: bench_db.Server, say: Say) -> list[bench_drain.DrainResult]:
+    """Backlog drain: N due operations, status latency 100 ms, 1 and 4 daemon processes."""
+    from payorch.providers.sandbox import SandboxServer
+
+    n, daemon_counts, concurrency = DRAIN
+    results: list[bench_drain.DrainResult] = []
+    if n == 0:
+        return results
+    for daemons in daemon_counts:
+        with bench_db.fresh_database(server, "payorch_bench_drain") as db, SandboxServer() as sb:
+            say(f"drain: charging {n} operations with lost answers")
+            bench_drain.make_backlog(db.url, sb, n)
+            say(f"drain: {daemons} daemon(s), concurrency {concurrency}, status latency 100 ms")
+            results.append(
+                bench_drain.drain(
+                    db.url, sb, daemons=daemons, n=n, concurrency=concurrency, latency=0.1
+                )
+            )
+    return results
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -200,13 +266,18 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--sqlite-ops", type=int, default=600, help="SQLite ops per configuration")
     p.add_argument("--replay-ops", type=int, default=500, help="replays per configuration")
     p.add_argument("--http-ops", type=int, default=250, help="ops through the sandbox")
-    p.add_argument("--threads", default="1,4,16", help="thread counts (default 1,4,16)")
+    p.add_argument("--threads", default="1,8", help="thread counts (default 1,8)")
     p.add_argument("--rounds", type=int, default=4, help="alternating rounds per configuration")
     p.add_argument("--warmup", type=int, default=50, help="untimed ops per workload first")
     p.add_argument("--sizes", default=DEFAULT_SIZES, help="terminal operations, steps ('' skips)")
     p.add_argument("--due", type=int, default=200, help="due outcome_unknown operations")
     p.add_argument("--no-sqlite", action="store_true", help="skip the SQLite comparison")
     p.add_argument("--no-sandbox", action="store_true", help="skip the loopback HTTP run")
+    p.add_argument("--drain", type=int, default=10000, help="due operations to drain (0 skips)")
+    p.add_argument("--drain-daemons", default="1,4", help="daemon counts for the drain")
+    p.add_argument("--drain-concurrency", type=int, default=20, help="checks at once per daemon")
+    p.add_argument("--storms", type=int, default=10, help="duplicate storms of 100 (0 skips)")
+    p.add_argument("--no-fsync-off", action="store_true", help="skip the fsync=off secondary run")
     p.add_argument("--quick", action="store_true", help="small counts: a smoke run")
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     a = p.parse_args(argv)
@@ -215,6 +286,12 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         a.warmup, a.rounds = 10, 2
         if a.sizes == DEFAULT_SIZES:
             a.sizes = "5000,20000"
+        if a.drain == 10000:
+            a.drain = 1000
+        a.storms = min(a.storms, 3)
+    global DRAIN, EXTRA  # noqa: PLW0603 - counts set once from the command line
+    DRAIN = (max(0, a.drain), _ints(a.drain_daemons) or (1,), max(1, a.drain_concurrency))
+    EXTRA = (max(0, a.storms), not a.no_fsync_off)
     return Options(
         ops=max(1, a.ops),
         threaded_ops=max(1, a.threaded_ops),
@@ -279,10 +356,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             fsync=settings["fsync"],
             synchronous_commit=settings["synchronous_commit"],
             full_page_writes=settings["full_page_writes"],
+            wal_sync_method=settings["wal_sync_method"],
             shared_buffers=settings["shared_buffers"],
         )
         with bench_db.fresh_database(server, "payorch_bench_exec") as db:
             bench_postgres(db, opts, report, say)
+        storm = None
+        if EXTRA[0]:
+            with bench_db.fresh_database(server, "payorch_bench_storm") as db:
+                say(f"duplicate storm: {EXTRA[0]} x 100 identical requests, provider 50 ms")
+                storm = bench_storm.run_storm(db.url, tenant=TENANT, storms=EXTRA[0])
         if opts.sizes:
             with bench_db.fresh_database(server, "payorch_bench_scan") as db:
                 report.scan = bench_scan.run_scan(
@@ -294,12 +377,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                     claim_reps=opts.claim_reps,
                     progress=say,
                 )
+        drained = bench_backlog(server, say)
         say("done with PostgreSQL")
+    if EXTRA[1]:
+        bench_fsync_off(opts, report, say)
     if opts.sqlite:
         bench_sqlite(opts, report, say)
     report.elapsed_s = time.perf_counter() - started
     report.environment["load_after"] = _load()
     print_report(console, report, opts)
+    bench_goals.print_fsync_off(console, report, opts)
+    bench_storm.print_storm(console, storm)
+    bench_drain.print_drain(console, drained)
+    bench_goals.print_goals(console, report, opts, storm, drained)
     if opts.json_path is not None:
         opts.json_path.write_text(json.dumps(report.summary(), indent=2) + "\n")
     return 0

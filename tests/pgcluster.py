@@ -1,7 +1,9 @@
 """A throwaway PostgreSQL cluster for the test run, started from the installed binaries.
 
 As root, initdb refuses to run; the server then runs as the ``postgres`` (or ``nobody``)
-user. ``fsync=off``: the cluster lives for one test run and is deleted after it.
+user. ``fsync=off`` by default: the cluster lives for one test run and is deleted after it.
+``Cluster(durable=True)`` keeps the server's default durability (fsync, synchronous_commit and
+full_page_writes untouched), for benchmarks whose commits should cost what they cost.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def _demote() -> tuple[Callable[[], None] | None, int | None, int | None]:
 
 
 class Cluster:
-    def __init__(self) -> None:
+    def __init__(self, *, durable: bool = False) -> None:
+        self.durable = durable
         self.bindir = _bindir()
         self.root = Path(tempfile.mkdtemp(prefix="payorch-pg-"))
         self.data = self.root / "data"
@@ -82,10 +85,9 @@ class Cluster:
 
     def start(self) -> str:
         self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
-        opts = (
-            f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
-            "-c synchronous_commit=off -c full_page_writes=off -c max_connections=300"
-        )
+        opts = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c max_connections=300"
+        if not self.durable:
+            opts += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
         self._run(
             "pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.root / "log"), "-w", "start"
         )

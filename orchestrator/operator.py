@@ -28,6 +28,7 @@ from .errors import (
 )
 from .reconciler import Reconciler
 from .records import OperationRecord
+from .statements import add_event
 from .store import Store
 from .tables import db_now, operations
 
@@ -330,7 +331,7 @@ def acknowledge(
                 operation_id=record.id,
             )
         updated = OperationRecord.from_row(row)
-        store._add_event(
+        add_event(
             conn,
             updated,
             kind=ACKNOWLEDGED_EVENT,

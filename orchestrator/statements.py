@@ -12,12 +12,15 @@ type processing on the client. They return ``OPERATION_COLUMNS`` in order
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
+import uuid6
 from sqlalchemy.engine import Connection
 
+from .core import State
 from .records import OPERATION_COLUMNS, OperationRecord
 from .tables import TERMINAL_STATE_VALUES, db_now, db_now_plus, events, operations
 
@@ -30,9 +33,11 @@ __all__ = [
     "PG_REREAD",
     "REPLAY_BY_ID",
     "REPLAY_BY_NAMESPACE",
+    "add_event",
     "build_claim",
     "build_update",
     "lease_row",
+    "new_id",
     "pg_transition_sql",
 ]
 
@@ -324,3 +329,35 @@ def pg_transition_sql(shape: tuple[Any, ...]) -> str:
         %(e_detail)s::json, clock_timestamp() FROM upd
 )
 SELECT {_COLS}{note} FROM upd"""  # noqa: S608
+
+
+def new_id() -> str:
+    """A time-ordered UUID (v7): ids sort by creation, indexes stay append-mostly."""
+    return str(uuid6.uuid7())
+
+
+def add_event(
+    conn: Connection,
+    record: OperationRecord,
+    *,
+    kind: str,
+    actor: str,
+    from_state: State | None,
+    to_state: State | None,
+    detail: Mapping[str, Any] | None,
+) -> None:
+    """Append one event of ``record`` inside the caller's transaction."""
+    conn.execute(
+        EVENT_INSERT,
+        {
+            "e_tenant_id": record.tenant_id,
+            "e_id": new_id(),
+            "e_operation_id": record.id,
+            "e_kind": kind,
+            "e_actor": actor,
+            "e_from_state": from_state.value if from_state else None,
+            "e_to_state": to_state.value if to_state else None,
+            "e_version": record.version if to_state is not None else None,
+            "e_detail": dict(detail) if detail is not None else None,
+        },
+    )

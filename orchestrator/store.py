@@ -16,49 +16,43 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Collection, Mapping
-from datetime import datetime, timedelta
+from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any
 
 import sqlalchemy as sa
-import uuid6
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Engine
 
 from . import pg_writes
 from .core import State, check_transition, downstream_key
-from .db import create_engine, read_in_transaction, run_in_transaction, run_statement
+from .db import create_engine, run_in_transaction, run_statement
 from .errors import (
     CommitUncertain,
-    CorruptRecord,
     IdempotencyKeyExpired,
     IdempotencyKeyReused,
     OperationInProgress,
-    OperationNotFound,
     StaleVersion,
 )
-from .records import ClaimResult, EventRecord, NewOperation, OperationRecord
+from .records import ClaimResult, NewOperation, OperationRecord
 from .statements import (
-    EVENT_INSERT,
     PG_CLAIMED,
     PG_EXISTING,
     REPLAY_BY_ID,
     REPLAY_BY_NAMESPACE,
+    add_event,
     build_claim,
     build_update,
-    lease_row,
+    new_id,
 )
-from .tables import db_now, db_now_plus, events, is_active, operations
+from .store_reads import Reads
+from .tables import db_now, operations
 from .waiting import NOTIFY_CHANNEL, Listener, wait_until_settled
+from .work_queue import QUARANTINE_EVENT, QUARANTINE_HOLD, WorkQueue
 
 __all__ = ["NOTIFY_CHANNEL", "QUARANTINE_EVENT", "QUARANTINE_HOLD", "Store", "new_id"]
 
 _UNSET: Any = object()
-
-# A row that cannot be read is set aside, not retried every pass: an operator must repair
-# it. After the hold it is picked (and, if still corrupt, quarantined) again.
-QUARANTINE_EVENT = "quarantined"
-QUARANTINE_HOLD = timedelta(hours=1)
 
 # "In progress" tells a client when to look again, not how long the lease lasts: the lease
 # bounds the whole call with every inline retry (minutes with Stripe's time-outs). Look again
@@ -81,12 +75,7 @@ def look_again_after(record: OperationRecord, lease_remaining: float) -> float:
     return max(1.0, round(wait, 1))
 
 
-def new_id() -> str:
-    """A time-ordered UUID (v7): ids sort by creation, indexes stay append-mostly."""
-    return str(uuid6.uuid7())
-
-
-class Store:
+class Store(Reads, WorkQueue):
     """Operations and their events on PostgreSQL or SQLite."""
 
     def __init__(self, engine: Engine) -> None:
@@ -185,7 +174,7 @@ class Store:
             row = conn.execute(self._claim_stmt, params).mappings().first()
             if row is not None:
                 record = OperationRecord.from_row(row)
-                self._add_event(
+                add_event(
                     conn,
                     record,
                     kind="claimed",
@@ -224,7 +213,7 @@ class Store:
                 # afresh): count this replay too.
                 existing = self._count_replay(conn, existing) or existing
             elif noted is not None and noted != "replayed":
-                self._add_event(
+                add_event(
                     conn,
                     existing,
                     kind=noted,
@@ -289,7 +278,7 @@ class Store:
             with contextlib.suppress(CommitUncertain):  # only our audit event is in doubt
                 run_statement(
                     self.engine,
-                    lambda conn: self._add_event(
+                    lambda conn: add_event(
                         conn,
                         record,
                         kind=noted,
@@ -333,57 +322,6 @@ class Store:
             operation_id=record.id,
             retry_after=look_again_after(record, lease_remaining),
         )
-
-    # -- reads ------------------------------------------------------------------------
-
-    def _one(self, *where: sa.ColumnElement[bool]) -> OperationRecord | None:
-        def read(conn: Connection) -> OperationRecord | None:
-            row = conn.execute(sa.select(operations).where(*where)).mappings().first()
-            return OperationRecord.from_row(row) if row is not None else None
-
-        return read_in_transaction(self.engine, read)
-
-    def get(self, tenant_id: str, operation_id: str) -> OperationRecord:
-        t = operations.c
-        found = self._one(t.tenant_id == tenant_id, t.id == operation_id)
-        if found is None:
-            raise OperationNotFound(f"no operation {operation_id} for tenant {tenant_id}")
-        return found
-
-    def find(self, operation_id: str) -> OperationRecord:
-        """Look an operation up by id alone (operator tools; a cross-tenant read)."""
-        found = self._one(operations.c.id == operation_id)
-        if found is None:
-            raise OperationNotFound(f"no operation {operation_id}")
-        return found
-
-    def get_by_namespace(self, tenant_id: str, operation: str, key: str) -> OperationRecord:
-        t = operations.c
-        found = self._one(
-            t.tenant_id == tenant_id, t.operation == operation, t.idempotency_key == key
-        )
-        if found is None:
-            raise OperationNotFound(f"no operation {operation} with key {key!r} for {tenant_id}")
-        return found
-
-    def find_by_reference(
-        self, tenant_id: str, provider: str, reference: str
-    ) -> OperationRecord | None:
-        t = operations.c
-        return self._one(
-            t.tenant_id == tenant_id, t.provider == provider, t.provider_reference == reference
-        )
-
-    def events(self, tenant_id: str, operation_id: str) -> list[EventRecord]:
-        def read(conn: Connection) -> list[EventRecord]:
-            rows = conn.execute(
-                sa.select(events)
-                .where(events.c.tenant_id == tenant_id, events.c.operation_id == operation_id)
-                .order_by(events.c.id)
-            ).mappings()
-            return [EventRecord.from_row(r) for r in rows]
-
-        return read_in_transaction(self.engine, read)
 
     # -- writes -----------------------------------------------------------------------
 
@@ -489,7 +427,7 @@ class Store:
                     operation_id=record.id,
                 )
             updated = OperationRecord.from_row(row)
-            self._add_event(
+            add_event(
                 conn,
                 updated,
                 kind=kind,
@@ -518,7 +456,7 @@ class Store:
         def txn(conn: Connection) -> None:
             if also is not None:
                 also(conn, record)
-            self._add_event(
+            add_event(
                 conn, record, kind=kind, actor=actor, from_state=None, to_state=None, detail=detail
             )
 
@@ -559,190 +497,10 @@ class Store:
             updated = OperationRecord.from_row(row)
             if also is not None:
                 also(conn, updated)
-            self._add_event(
+            add_event(
                 conn, updated, kind=kind, actor=actor, from_state=None, to_state=None, detail=detail
             )
             return updated
-
-        return run_in_transaction(self.engine, txn)
-
-    def db_time(self) -> datetime:
-        """The database's clock now (the one every lease and window is judged by)."""
-        return read_in_transaction(
-            self.engine, lambda conn: conn.execute(sa.select(db_now())).scalar_one()
-        )
-
-    # -- the reconciler's work queue --------------------------------------------------
-
-    def claim_due(
-        self,
-        *,
-        owner: str,
-        lease: timedelta,
-        limit: int,
-        tenant_ids: Collection[str] | None = None,
-        quarantine: timedelta = QUARANTINE_HOLD,
-        on_quarantine: Callable[[CorruptRecord], None] | None = None,
-    ) -> list[tuple[OperationRecord, datetime]]:
-        """Lease up to ``limit`` due operations for ``owner``; return them with the DB time.
-
-        Due: ``outcome_unknown`` whose next check has come, or ``in_progress`` whose lease
-        expired. PostgreSQL picks with ``FOR UPDATE SKIP LOCKED`` so daemons on many hosts
-        take disjoint batches; the lease then keeps others off until it expires.
-        ``tenant_ids`` limits the scan to those tenants (a daemon per shard or per tenant).
-
-        A picked row that cannot be read (:class:`CorruptRecord`) is quarantined in the same
-        transaction: flagged ``needs_attention``, a ``quarantined`` event, not due again for
-        ``quarantine``; it is left out of the batch (``on_quarantine`` hears of it) and the
-        rest of the batch is leased as usual.
-        """
-        t = operations.c
-        lease_s = lease.total_seconds()
-        corrupt: list[CorruptRecord] = []
-
-        def txn(conn: Connection) -> list[tuple[OperationRecord, datetime]]:
-            pick = (
-                sa.select(t.tenant_id, t.id, t.version)
-                .where(
-                    is_active(),  # literals: the partial index's predicate, as written
-                    t.next_check_at <= db_now(),
-                    sa.or_(t.lease_expires_at.is_(None), t.lease_expires_at <= db_now()),
-                    t.tenant_id.in_(sorted(tenant_ids)) if tenant_ids is not None else sa.true(),
-                )
-                .order_by(t.next_check_at)
-                .limit(limit)
-            )
-            if self.is_postgres:
-                pick = pick.with_for_update(skip_locked=True)
-            picked = conn.execute(pick).all()
-            out: list[tuple[OperationRecord, datetime]] = []
-            corrupt.clear()  # a retried transaction starts over
-            for tenant_id, op_id, version in picked:
-                try:
-                    leased = lease_row(
-                        conn, tenant_id, op_id, version, owner=owner, lease_s=lease_s
-                    )
-                except CorruptRecord as exc:
-                    # The lease UPDATE applied (version + 1) before the row failed to decode.
-                    where = (tenant_id, op_id, version + 1)
-                    self._quarantine(conn, exc, where, owner=owner, hold=quarantine)
-                    corrupt.append(exc)
-                    continue
-                if leased is not None:
-                    out.append(leased)
-            return out
-
-        batch = run_in_transaction(self.engine, txn)
-        if on_quarantine is not None:
-            for exc in corrupt:
-                on_quarantine(exc)
-        return batch
-
-    def lease_one(
-        self,
-        record: OperationRecord,
-        *,
-        owner: str,
-        lease: timedelta,
-        kind: str,
-        actor: str,
-        detail: Mapping[str, Any],
-    ) -> tuple[OperationRecord, datetime]:
-        """Lease one active operation whose lease is free or expired, with an event.
-
-        Raises StaleVersion if it changed since ``record`` was read or someone holds it, and
-        CorruptRecord (after quarantining it, as ``claim_due`` does) if it cannot be read.
-        """
-
-        def txn(conn: Connection) -> tuple[OperationRecord, datetime] | CorruptRecord:
-            try:
-                leased = lease_row(
-                    conn,
-                    record.tenant_id,
-                    record.id,
-                    record.version,
-                    owner=owner,
-                    lease_s=lease.total_seconds(),
-                )
-            except CorruptRecord as exc:
-                where = (record.tenant_id, record.id, record.version + 1)
-                self._quarantine(conn, exc, where, owner=owner, hold=QUARANTINE_HOLD)
-                return exc  # raised once the quarantine has committed
-            if leased is None:
-                raise StaleVersion(
-                    f"operation {record.id} changed or was leased meanwhile; try again",
-                    operation_id=record.id,
-                )
-            self._add_event(
-                conn,
-                leased[0],
-                kind=kind,
-                actor=actor,
-                from_state=None,
-                to_state=None,
-                detail=detail,
-            )
-            return leased
-
-        result = run_in_transaction(self.engine, txn)
-        if isinstance(result, CorruptRecord):
-            raise result
-        return result
-
-    def release(self, record: OperationRecord) -> None:
-        """Give a lease back untouched (graceful shutdown): due again at once."""
-        t = operations.c
-
-        def txn(conn: Connection) -> None:
-            conn.execute(
-                sa.update(operations)
-                .where(
-                    t.tenant_id == record.tenant_id,
-                    t.id == record.id,
-                    t.version == record.version,
-                )
-                .values(
-                    lease_owner=None,
-                    lease_expires_at=None,
-                    next_check_at=db_now(),
-                    version=t.version + 1,
-                    updated_at=db_now(),
-                )
-            )
-
-        run_in_transaction(self.engine, txn)
-
-    def renew_lease(
-        self, record: OperationRecord, *, owner: str, lease: timedelta
-    ) -> tuple[OperationRecord, datetime]:
-        """Restart ``owner``'s lease on ``record`` (``lease`` from now); with the DB time.
-
-        Fenced by version and owner, even when the lease has lapsed: a lapsed lease nobody
-        took meanwhile is still ours. Raises StaleVersion if anyone else wrote it.
-        """
-        t = operations.c
-        renew = (
-            sa.update(operations)
-            .where(
-                t.tenant_id == record.tenant_id,
-                t.id == record.id,
-                t.version == record.version,
-                t.lease_owner == owner,
-                t.state.in_(("in_progress", "outcome_unknown")),
-            )
-            .values(
-                lease_expires_at=db_now_plus(sa.literal(lease.total_seconds())),
-                version=t.version + 1,
-                updated_at=db_now(),
-            )
-            .returning(*operations.c, db_now().label("_now"))
-        )
-
-        def txn(conn: Connection) -> tuple[OperationRecord, datetime]:
-            row = conn.execute(renew).mappings().first()
-            if row is None:
-                raise StaleVersion(f"operation {record.id} changed", operation_id=record.id)
-            return OperationRecord.from_row(row), row["_now"]
 
         return run_in_transaction(self.engine, txn)
 
@@ -756,57 +514,6 @@ class Store:
         return wait_until_settled(self, record, wait)
 
     # -- helpers ----------------------------------------------------------------------
-
-    def _quarantine(
-        self,
-        conn: Connection,
-        exc: CorruptRecord,
-        where: tuple[str, str, int],
-        *,
-        owner: str,
-        hold: timedelta,
-    ) -> None:
-        """Set an unreadable row aside: flagged, lease released, next check after ``hold``.
-
-        Only the columns this writes are touched; the corrupt ones stay as evidence for
-        whoever repairs the row. ``where`` (tenant, id, version) fences it to the lease just
-        taken, by the values the pick read rather than what the broken row decoded to.
-        """
-        t = operations.c
-        tenant_id, op_id, version = where
-        moved = conn.execute(
-            sa.update(operations)
-            .where(
-                t.tenant_id == tenant_id,
-                t.id == op_id,
-                t.version == version,
-                t.lease_owner == owner,
-            )
-            .values(
-                needs_attention=True,
-                lease_owner=None,
-                lease_expires_at=None,
-                next_check_at=db_now_plus(sa.literal(hold.total_seconds())),
-                version=t.version + 1,
-                updated_at=db_now(),
-            )
-        )
-        if moved.rowcount != 1:  # pragma: no cover - the lease was taken in this transaction
-            return
-        conn.execute(
-            EVENT_INSERT,
-            {
-                "e_tenant_id": tenant_id,
-                "e_id": new_id(),
-                "e_operation_id": op_id,
-                "e_kind": QUARANTINE_EVENT,
-                "e_actor": owner,
-                "e_from_state": None,
-                "e_to_state": None,
-                "e_version": None,
-                "e_detail": {"error": type(exc).__name__, "problem": exc.problem},
-            },
-        )
 
     def _reread(self, record: OperationRecord) -> OperationRecord:
         """``record`` as it is now, its replay counted if it is terminal (a waiter's look):
@@ -850,32 +557,6 @@ class Store:
 
     def _insert(self, table: sa.Table) -> Any:
         return postgresql.insert(table) if self.is_postgres else sqlite.insert(table)
-
-    def _add_event(
-        self,
-        conn: Connection,
-        record: OperationRecord,
-        *,
-        kind: str,
-        actor: str,
-        from_state: State | None,
-        to_state: State | None,
-        detail: Mapping[str, Any] | None,
-    ) -> None:
-        conn.execute(
-            EVENT_INSERT,
-            {
-                "e_tenant_id": record.tenant_id,
-                "e_id": new_id(),
-                "e_operation_id": record.id,
-                "e_kind": kind,
-                "e_actor": actor,
-                "e_from_state": from_state.value if from_state else None,
-                "e_to_state": to_state.value if to_state else None,
-                "e_version": record.version if to_state is not None else None,
-                "e_detail": dict(detail) if detail is not None else None,
-            },
-        )
 
 
 def _claim_uncertain(new: NewOperation, op_id: str) -> CommitUncertain:

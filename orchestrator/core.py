@@ -158,19 +158,61 @@ def check_encodable(value: Any, path: str = "", *, sets: bool = True) -> None:
     to process, and so would the fingerprint. Types this walk does not know (dates, UUIDs)
     are left to the JSON dump, which is checked again.
     """
+    if not _plainly_encodable(value):
+        _check_walk(value, path, sets=sets)
+
+
+def _plainly_encodable(value: Any) -> bool:
+    """True if ``value`` is built only of dicts, lists, tuples and plain scalars that are
+    fine. Every request passes through here: it is the walk below without paths, and
+    anything it is not sure of (other types, a problem) goes to that walk, which explains."""
+    cls = value.__class__
+    if cls is str:
+        return value.isascii() or _utf8(value)
+    if cls is dict:
+        for k, v in value.items():  # noqa: SIM110 - all() and a generator cost twice as much
+            if not (_plainly_encodable(k) and _plainly_encodable(v)):
+                return False
+        return True
+    if cls is list or cls is tuple:
+        for v in value:  # noqa: SIM110 - as above
+            if not _plainly_encodable(v):
+                return False
+        return True
+    check = _PLAIN_SCALARS.get(cls)
+    return check is not None and check(value)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+_PLAIN_SCALARS: dict[type, Callable[[Any], bool]] = {
+    int: lambda v: -MAX_JSON_INT <= v <= MAX_JSON_INT,
+    bool: lambda _v: True,
+    type(None): lambda _v: True,
+    float: math.isfinite,
+}
+
+
+def _check_walk(value: Any, path: str, *, sets: bool) -> None:
     if isinstance(value, Mapping):
         for k, v in value.items():
-            check_encodable(k, f"{_where(path)} key", sets=sets)
+            _check_walk(k, f"{_where(path)} key", sets=sets)
             name = safe_text(k)
-            check_encodable(v, f"{path}.{name}" if path else name, sets=sets)
+            _check_walk(v, f"{path}.{name}" if path else name, sets=sets)
     elif isinstance(value, list | tuple):
         for i, v in enumerate(value):
-            check_encodable(v, f"{path}[{i}]", sets=sets)
+            _check_walk(v, f"{path}[{i}]", sets=sets)
     elif isinstance(value, set | frozenset):
         if not sets:
             raise UnencodableRequest(f"{_where(path)} is a set, which has no stable order")
         for v in value:
-            check_encodable(v, f"{path}[]", sets=sets)
+            _check_walk(v, f"{path}[]", sets=sets)
     else:
         _check_scalar(value, path)
 

@@ -2,7 +2,9 @@
 
 One job, ``max_instances=1`` and ``coalesce=True``: passes never overlap and missed ones
 collapse into one. A job drains: it runs passes back to back until one picks nothing (or
-the stop flag is set), then the interval begins. SIGTERM/SIGINT set a stop flag: the
+the stop flag is set), then the interval begins. Within a pass, the next batch is leased
+while the last checks of the previous one run (for up to one interval), so the checks
+never wait for a batch to finish. SIGTERM/SIGINT set a stop flag: the
 checks in flight finish, the rest of the batch is handed back (leases released), and the
 process exits.
 
@@ -73,7 +75,10 @@ class ReconcilerDaemon:
 
     def _one_pass(self) -> ReconcileReport | None:
         try:
-            report = self.reconciler.reconcile_once(stop=self.stop_event)
+            # A pass keeps its checks busy for up to one interval, then reports.
+            report = self.reconciler.reconcile_once(
+                stop=self.stop_event, refill_for=self.interval.total_seconds()
+            )
         except StorageError as exc:  # the database is away: one line, the next pass retries
             log.warning("reconcile pass skipped: %s", " ".join(exc.message.split()))
             metrics.pass_finished("skipped")

@@ -20,7 +20,7 @@ import re
 import select
 import sqlite3
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
@@ -46,6 +46,7 @@ __all__ = [
     "normalise_url",
     "read_in_transaction",
     "run_in_transaction",
+    "run_sql",
     "run_statement",
     "schema_of",
 ]
@@ -360,6 +361,66 @@ def run_statement(engine: Engine, fn: Callable[[Connection], T], *, write: bool 
                 continue
             raise map_db_error(err) from err
     raise StorageError("statement retries exhausted")  # pragma: no cover - loop returns/raises
+
+
+def run_sql(
+    engine: Engine, sql: str, params: Mapping[str, Any], *, write: bool = True
+) -> tuple[Any, ...] | None:
+    """``sql`` (psycopg's ``%(name)s`` style) as :func:`run_statement` runs it: autocommit,
+    one round trip, the same verdicts; its first row as the driver hands it, or None.
+
+    On a synchronous psycopg engine it runs on the pooled driver connection itself: the hot
+    statements need neither SQLAlchemy's ``Connection`` nor its result metadata, which
+    cost more client CPU than the rest of an operation (statement listeners do not see
+    these statements; the round trips are the same). Elsewhere (the async bridge) it runs
+    through ``exec_driver_sql``.
+    """
+    if engine.dialect.is_async or engine.dialect.driver != "psycopg":
+        row = run_statement(
+            engine, lambda conn: conn.exec_driver_sql(sql, params).first(), write=write
+        )
+        return tuple(row) if row is not None else None
+    error: type[Exception] = engine.dialect.loaded_dbapi.Error
+    for attempt in range(MAX_TRANSACTION_ATTEMPTS):
+        try:
+            fairy = engine.raw_connection()  # the checkout listener drops a dead connection
+        except error as orig:
+            raise map_db_error(_wrapped(sql, params, orig, error, broken=True)) from orig
+        except exc.SQLAlchemyError as timeout:  # the pool's time-out
+            raise map_db_error(timeout) from timeout
+        driver: Any = fairy.driver_connection
+        try:
+            driver.autocommit = True
+            row = driver.execute(sql, params).fetchone()
+            driver.autocommit = False
+            return row  # type: ignore[no-any-return]
+        except error as orig:
+            broken = bool(driver.closed or driver.broken)
+            if broken:
+                fairy.invalidate(orig)
+            else:
+                driver.autocommit = False
+            failed = _wrapped(sql, params, orig, error, broken=broken)
+            if write and not _commit_refused(failed):
+                raise _uncertain(failed) from orig
+            if not write and broken and attempt == 0:
+                continue  # a read: nothing to be uncertain about, once on a fresh connection
+            if _is_retryable(failed) and attempt + 1 < MAX_TRANSACTION_ATTEMPTS:
+                pause(random.uniform(0, 0.01 * 2**attempt))  # noqa: S311 - jitter only
+                continue
+            raise map_db_error(failed) from orig
+        finally:
+            fairy.close()  # back to the pool (or, invalidated, discarded)
+    raise StorageError("statement retries exhausted")  # pragma: no cover - loop returns/raises
+
+
+def _wrapped(
+    sql: str, params: Mapping[str, Any], orig: Exception, error: type[Exception], *, broken: bool
+) -> exc.DBAPIError:
+    """A driver error as SQLAlchemy would have raised it, for the one mapping above."""
+    wrapped = exc.DBAPIError.instance(sql, dict(params), orig, error, connection_invalidated=broken)
+    assert isinstance(wrapped, exc.DBAPIError)
+    return wrapped
 
 
 def read_in_transaction(engine: Engine, fn: Callable[[Connection], T]) -> T:

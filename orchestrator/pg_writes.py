@@ -1,7 +1,7 @@
 """PostgreSQL's hot writes, one statement and one round trip each (see ``statements.py``).
 
 The store decides what to write and what an answer means; this module fills the parameters
-of the SQL-text statements, runs each in autocommit (:func:`~payorch.db.run_statement`) and
+of the SQL-text statements, runs each in autocommit (:func:`~payorch.db.run_sql`) and
 turns the row into a record. Timestamps come from the database; ids from the caller.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 from sqlalchemy.engine import Engine
 
 from .core import State, downstream_key
-from .db import run_statement
-from .errors import StaleVersion
+from .db import run_sql
+from .errors import StaleVersion, StorageError
 from .records import OPERATION_COLUMNS, NewOperation, OperationRecord
 from .statements import PG_CLAIM, PG_REREAD, pg_transition_sql
 
@@ -65,7 +65,7 @@ def claim(
             {"idempotency_key": new.idempotency_key, "fingerprint": new.fingerprint}
         ),
     }
-    row = run_statement(engine, lambda conn: conn.exec_driver_sql(PG_CLAIM, params).first())
+    row = run_sql(engine, PG_CLAIM, params)
     if row is None:
         return None
     return row[0], OperationRecord.from_pg(row[1:]), row[_NOW].astimezone(UTC)
@@ -75,9 +75,9 @@ def reread(engine: Engine, record: OperationRecord) -> OperationRecord:
     """``PG_REREAD``: the operation now, its replay counted if it is terminal."""
     params = {"tenant_id": record.tenant_id, "id": record.id, "fingerprint": record.fingerprint}
     # A lost answer only leaves a replay count in doubt: nothing to tell the client.
-    row = run_statement(
-        engine, lambda conn: conn.exec_driver_sql(PG_REREAD, params).one(), write=False
-    )
+    row = run_sql(engine, PG_REREAD, params, write=False)
+    if row is None:  # pragma: no cover - the operation is never deleted, only reaped
+        raise StorageError(f"operation {record.id} vanished")
     return OperationRecord.from_pg(row[1:])
 
 
@@ -121,7 +121,7 @@ def transition(
         e_from_state=record.state.value,
         e_detail=json_param(event["detail"]),
     )
-    row = run_statement(engine, lambda conn: conn.exec_driver_sql(sql, params).first())
+    row = run_sql(engine, sql, params)
     if row is None:
         raise StaleVersion(
             f"operation {record.id} changed since version {record.version}",

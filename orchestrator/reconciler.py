@@ -92,6 +92,8 @@ class Reconciler:
         self,
         stop: threading.Event | None = None,
         progress: Callable[[int, int], None] | None = None,
+        *,
+        refill_for: float = 0.0,
     ) -> ReconcileReport:
         """Lease one batch of due operations and settle what evidence allows.
 
@@ -100,39 +102,68 @@ class Reconciler:
         left on that lease (it waited behind others) first renews its own lease, fenced by
         version, so every check runs under a lease that covers it and an operation whose
         lease lapsed and was taken by another reconciler is skipped (``lost_race``).
-        ``progress(done, picked)`` is called once the batch is leased and after each check.
+
+        ``refill_for`` > 0 (the daemon's draining passes) keeps the checks busy: whenever
+        fewer checks wait than run at once, the next batch is leased, for up to that many
+        seconds from the pass's start; then the pass finishes what it holds. Without it a
+        pass is one batch, and its last checks would run with free workers beside them.
+        ``progress(done, picked)`` is called once a batch is leased and after each check.
         """
         report = ReconcileReport()
-        # Measured before the claim: the lease was set by the DB clock after this instant.
-        claimed_at = time.monotonic()
-        batch = self.store.claim_due(
-            owner=self.owner,
-            lease=self.policy.lease,
-            limit=self.policy.batch_size,
-            tenant_ids=self.tenant_ids,
-            on_quarantine=lambda _exc: report.add("quarantined"),
-        )
-        report.picked = len(batch)
-        if progress is not None:
-            progress(0, len(batch))
-        if not batch:
-            return report
-        pending = deque(batch)
-        if self.concurrency == 1:
-            return self._check_inline(batch, report, claimed_at, stop, progress)
-        running: dict[Future[str], OperationRecord] = {}
+        started = time.monotonic()
+        pending: deque[tuple[OperationRecord, datetime, float]] = deque()
+        more = True  # whether leasing another batch may find work
         done = 0
-        workers = min(self.concurrency, len(batch))
-        with ThreadPoolExecutor(workers, thread_name_prefix="payorch-check") as pool:
-            while pending or running:
+
+        def tick(what: str | None = None) -> None:
+            """A check finished (``what`` it found), or a batch was leased: report it."""
+            nonlocal done
+            if what is not None:
+                report.add(what)  # the report and its callbacks: the calling thread only
+                done += 1
+            if progress is not None:
+                progress(done, report.picked)
+
+        def lease_more() -> None:
+            nonlocal more
+            stopping = stop is not None and stop.is_set()
+            if report.picked and (stopping or time.monotonic() - started >= refill_for):
+                more = False
+                return
+            # Measured before the claim: the lease was set by the DB clock after this.
+            claimed_at = time.monotonic()
+            batch = self.store.claim_due(
+                owner=self.owner,
+                lease=self.policy.lease,
+                limit=self.policy.batch_size,
+                tenant_ids=self.tenant_ids,
+                on_quarantine=lambda _exc: report.add("quarantined"),
+            )
+            report.picked += len(batch)
+            pending.extend((record, now, claimed_at) for record, now in batch)
+            more = len(batch) == self.policy.batch_size  # a short batch: nothing more is due
+            tick()
+
+        lease_more()
+        if not pending:
+            return report
+        if self.concurrency == 1:
+            return self._check_inline(
+                pending, report, stop=stop, tick=tick, lease_more=lease_more, more=lambda: more
+            )
+        running: dict[Future[str], OperationRecord] = {}
+        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="payorch-check") as pool:
+            while True:
                 if stop is not None and stop.is_set():
                     # Graceful stop: checks in flight finish; the rest go back untouched
                     # instead of sitting on leases.
                     while pending:
                         self.store.release(pending.popleft()[0])
                         report.released += 1
+                elif more and len(pending) < self.concurrency:
+                    lease_more()  # while the running checks wait on their providers
                 while pending and len(running) < self.concurrency:
-                    record, now = pending.popleft()
+                    record, now, claimed_at = pending.popleft()
                     # Each check in its own thread, under the caller's tracing context.
                     ctx = contextvars.copy_context()
                     job = pool.submit(ctx.run, self._check_leased, record, now, claimed_at)
@@ -142,31 +173,31 @@ class Reconciler:
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)
                 for job in finished:
                     del running[job]
-                    report.add(job.result())  # the report and its callbacks: this thread only
-                    done += 1
-                    if progress is not None:
-                        progress(done, len(batch))
+                    tick(job.result())
         return report
 
     def _check_inline(
         self,
-        batch: list[tuple[OperationRecord, datetime]],
+        pending: deque[tuple[OperationRecord, datetime, float]],
         report: ReconcileReport,
-        claimed_at: float,
+        *,
         stop: threading.Event | None,
-        progress: Callable[[int, int], None] | None,
+        tick: Callable[[str], None],
+        lease_more: Callable[[], None],
+        more: Callable[[], bool],
     ) -> ReconcileReport:
         """One check at a time in the calling thread: no pool, and the only way under the
         async bridge, where database I/O must stay in the caller's greenlet."""
-        for done, (record, now) in enumerate(batch, start=1):
+        while pending:
             if stop is not None and stop.is_set():
-                for rest, _ in batch[done - 1 :]:
-                    self.store.release(rest)
+                while pending:
+                    self.store.release(pending.popleft()[0])
                     report.released += 1
                 break
-            report.add(self._check_leased(record, now, claimed_at))
-            if progress is not None:
-                progress(done, len(batch))
+            record, now, claimed_at = pending.popleft()
+            tick(self._check_leased(record, now, claimed_at))
+            if not pending and more():
+                lease_more()
         return report
 
     def _check_leased(self, record: OperationRecord, now: datetime, claimed_at: float) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from conftest import create_pg_database
@@ -133,7 +134,11 @@ def big(
     else:
         url = create_pg_database(request.getfixturevalue("pg_server_url"), prefix="payorch_plans")
     migrate.upgrade(url)
-    store = Store.from_url(url)
+    store = (
+        Store.from_url(url)
+        if request.param == "sqlite"
+        else Store.from_url(url, connect_args={"cursor_factory": _RecordingCursor})
+    )
     try:
         _fill(store.engine)
         with store.engine.connect() as conn:
@@ -150,9 +155,29 @@ class Sent:
     parameters: Any
 
 
+_recording: list[Sent] | None = None  # what PostgreSQL stores' cursors were asked to run
+
+
+class _RecordingCursor(psycopg.Cursor[Any]):
+    """Sees every statement, the hot ones run on the driver connection included."""
+
+    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        if _recording is not None:
+            _recording.append(Sent(str(query), params))
+        return super().execute(query, params, **kwargs)
+
+
 def sent_by(store: Store, call: Callable[[Store], object]) -> list[Sent]:
     """Run ``call`` for real; the statements it sent, with their parameters."""
+    global _recording
     seen: list[Sent] = []
+    if store.is_postgres:
+        _recording = seen
+        try:
+            call(store)
+        finally:
+            _recording = None
+        return seen
 
     def record(conn: Any, cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
         seen.append(Sent(statement, parameters))

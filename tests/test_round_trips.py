@@ -1,9 +1,9 @@
 """Round trips per operation on PostgreSQL, counted where they happen.
 
-Two counts: the statements SQLAlchemy hands the driver (a ``before_cursor_execute``
-listener) and the round trips the driver really makes, seen at a loopback TCP proxy that
-reads the frontend protocol: every simple Query and every Sync is one round trip, so a
-BEGIN, a COMMIT or a pool pre-ping shows there even where no listener sees it.
+Two counts: the statements the driver is asked to run (a recording psycopg cursor) and
+the round trips the driver really makes, seen at a loopback TCP proxy that reads the
+frontend protocol: every simple Query and every Sync is one round trip, so a BEGIN, a
+COMMIT or a pool pre-ping shows there even where no cursor sees it.
 
 A fresh operation is two (the claim with its event; the outcome with its event and
 NOTIFY), a replay one. A storm of duplicates waiting with ``wait=`` costs each loser a
@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 import sqlalchemy as sa
 from conftest import RecordingSleep
@@ -146,38 +147,69 @@ def proxy(postgres_url: str) -> Iterator[CountingProxy]:
         p.close()
 
 
-@pytest.fixture
-def counted_store(proxy: CountingProxy, postgres_url: str) -> Iterator[Store]:
-    # One connection: what it sends is all the store sends.
-    store = Store.from_url(proxy.url(postgres_url), pool_size=1, max_overflow=0)
-    try:
-        yield store
-    finally:
-        store.close()
-
-
 class Statements:
-    """What SQLAlchemy handed the driver, per thread."""
+    """What the driver was asked to run, per thread, while recording.
 
-    def __init__(self, engine: sa.Engine) -> None:
-        self._engine = engine
+    Counted at psycopg's cursor (its ``cursor_factory``): the hot statements run on the
+    driver connection itself, where SQLAlchemy's statement listeners do not see them.
+    """
+
+    def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._recording = False
         self.sent: list[tuple[int, str]] = []
+        statements = self
 
-    def _record(self, conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        class Recording(psycopg.Cursor[Any]):
+            def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+                statements._record(str(query))
+                return super().execute(query, params, **kwargs)
+
+        self.connect_args: dict[str, Any] = {"cursor_factory": Recording}
+
+    def _record(self, statement: str) -> None:
         with self._lock:
-            self.sent.append((threading.get_ident(), statement))
+            if self._recording:
+                self.sent.append((threading.get_ident(), statement))
 
     def __enter__(self) -> Statements:
-        sa.event.listen(self._engine, "before_cursor_execute", self._record)
+        with self._lock:
+            self.sent.clear()
+            self._recording = True
         return self
 
     def __exit__(self, *exc: object) -> None:
-        sa.event.remove(self._engine, "before_cursor_execute", self._record)
+        with self._lock:
+            self._recording = False
 
     def by(self, thread: int) -> list[str]:
         with self._lock:
             return [s for t, s in self.sent if t == thread]
+
+
+def recorded_store(url: str, statements: Statements, **engine_kwargs: Any) -> Store:
+    store = Store.from_url(url, connect_args=statements.connect_args, **engine_kwargs)
+    with store.engine.connect():
+        pass  # the dialect's first-connect queries run now, before anything is counted
+    return store
+
+
+@pytest.fixture
+def statements() -> Statements:
+    return Statements()
+
+
+@pytest.fixture
+def counted_store(
+    proxy: CountingProxy, postgres_url: str, statements: Statements
+) -> Iterator[Store]:
+    # One connection: what it sends is all the store sends.
+    url = proxy.url(postgres_url)
+    store = recorded_store(url, statements, pool_size=1, max_overflow=0)
+    try:
+        yield store
+    finally:
+        store.close()
 
 
 def executor_for(
@@ -204,11 +236,11 @@ def pay(ex: Executor, key: str, wait: timedelta | None = None) -> Outcome:
 
 
 def counted(
-    proxy: CountingProxy, store: Store, call: Callable[[], Outcome]
+    proxy: CountingProxy, statements: Statements, call: Callable[[], Outcome]
 ) -> tuple[Outcome, int, list[str]]:
     """Run ``call``; its outcome, the round trips the driver made, the statements sent."""
     proxy.reset()
-    with Statements(store.engine) as seen:
+    with statements as seen:
         out = call()
     return out, proxy.round_trips, [s for _, s in seen.sent]
 
@@ -216,6 +248,7 @@ def counted(
 def test_a_fresh_operation_is_two_round_trips_and_a_replay_one(
     proxy: CountingProxy,
     counted_store: Store,
+    statements: Statements,
     sandbox: SandboxServer,
     sandbox_provider: SandboxProvider,
 ) -> None:
@@ -227,12 +260,12 @@ def test_a_fresh_operation_is_two_round_trips_and_a_replay_one(
         pay(ex, f"warm-{i}")
     assert proxy.connections == 1
 
-    fresh, trips, sent = counted(proxy, counted_store, lambda: pay(ex, "fresh-1"))
+    fresh, trips, sent = counted(proxy, statements, lambda: pay(ex, "fresh-1"))
     assert (fresh.state, fresh.replayed) == (State.SUCCEEDED, False)
     assert len(sent) <= 2, sent  # the claim + event; the outcome + event + NOTIFY
     assert trips <= 2, proxy.messages  # no BEGIN, no COMMIT, no pre-ping
 
-    again, trips, sent = counted(proxy, counted_store, lambda: pay(ex, "fresh-1"))
+    again, trips, sent = counted(proxy, statements, lambda: pay(ex, "fresh-1"))
     assert (again.state, again.replayed, again.operation_id) == (
         State.SUCCEEDED,
         True,
@@ -297,7 +330,8 @@ def test_a_storm_of_waiting_duplicates_makes_one_effect_and_few_statements(
     # Waiters then re-read only when woken by the NOTIFY (or a listener reconnect), never on
     # the safety timer within this test: their statement count is exact.
     monkeypatch.setattr(waiting, "_POLL_CAP", 600.0)
-    store = Store.from_url(postgres_url)
+    statements = Statements()
+    store = recorded_store(postgres_url, statements)
     listener = store.listener()
     assert listener is not None
     assert listener.start(timeout=30)  # listening before the first waiter looks
@@ -306,7 +340,7 @@ def test_a_storm_of_waiting_duplicates_makes_one_effect_and_few_statements(
     patient = httpx.Timeout(connect=1.0, read=60.0, write=1.0, pool=1.0)
     with (
         SandboxProvider(base_url=sandbox.url, timeout=patient) as provider,
-        Statements(store.engine) as seen,
+        statements as seen,
         sandbox.hold_commits() as gate,
         ThreadPoolExecutor(duplicates) as pool,
     ):

@@ -192,16 +192,10 @@ class Acquirer:
             return _json(200, {"data": self.ledger.entries()})
         if path == "/v1/effects":
             # No filter lists every visible effect; each filter narrows (AND).
-            keys = query.get("idempotency_key")
-            operation_ids = query.get("operation_id")
-            data = self.ledger.visible(
+            data = self.ledger.search(
                 lag=self._lag,
-                where=lambda e: (
-                    (keys is None or e["idempotency_key"] in keys)
-                    and (
-                        operation_ids is None or e["metadata"].get("operation_id") in operation_ids
-                    )
-                ),
+                idempotency_keys=query.get("idempotency_key"),
+                operation_ids=query.get("operation_id"),
             )
             return _json(200, {"data": data})
         if path.startswith("/v1/effects/"):

@@ -61,6 +61,7 @@ class _Entry:
     data: dict[str, Any]
     committed_at: float  # server monotonic clock
     settle_at: float | None  # for "processing" entries
+    seq: int = 0  # commit order
 
 
 class Ledger:
@@ -83,6 +84,10 @@ class Ledger:
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}  # insertion-ordered: commit order
         self._processing: set[str] = set()  # so settle_due() does not scan the whole ledger
+        # Lookups by idempotency key and by metadata operation_id (a status query's search)
+        # read these instead of scanning every effect: a provider's search is indexed.
+        self._by_key: dict[str, list[str]] = {}
+        self._by_operation: dict[str, list[str]] = {}
 
     def commit(
         self,
@@ -110,7 +115,12 @@ class Ledger:
             data["decline_code"] = "generic_decline"
         settle_at = now + self._settle_after if status is EffectStatus.PROCESSING else None
         with self._lock:
-            self._entries[data["id"]] = _Entry(data=data, committed_at=now, settle_at=settle_at)
+            entry = _Entry(data=data, committed_at=now, settle_at=settle_at, seq=len(self._entries))
+            self._entries[data["id"]] = entry
+            self._by_key.setdefault(idempotency_key, []).append(data["id"])
+            operation_id = data["metadata"].get("operation_id")
+            if isinstance(operation_id, str):
+                self._by_operation.setdefault(operation_id, []).append(data["id"])
             if settle_at is not None:
                 self._processing.add(data["id"])
             self._changed_locked(data)
@@ -151,18 +161,39 @@ class Ledger:
         with self._lock:
             return [copy.deepcopy(e.data) for e in self._entries.values()]
 
-    def visible(
-        self, *, lag: float, where: Callable[[dict[str, Any]], bool] | None = None
-    ) -> list[dict[str, Any]]:
-        """Effects at least ``lag`` seconds old (and matching ``where``): the read side."""
+    def visible(self, *, lag: float) -> list[dict[str, Any]]:
+        """Effects at least ``lag`` seconds old: the read side."""
         self.settle_due()
         horizon = self._clock.monotonic() - lag
         with self._lock:
             return [
-                copy.deepcopy(e.data)
-                for e in self._entries.values()
-                if e.committed_at <= horizon and (where is None or where(e.data))
+                copy.deepcopy(e.data) for e in self._entries.values() if e.committed_at <= horizon
             ]
+
+    def search(
+        self,
+        *,
+        lag: float,
+        idempotency_keys: list[str] | None = None,
+        operation_ids: list[str] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Visible effects with one of ``idempotency_keys`` and (AND) one of
+        ``operation_ids`` (a filter that is None matches all), in commit order."""
+        if idempotency_keys is None and operation_ids is None:
+            return self.visible(lag=lag)
+        self.settle_due()
+        horizon = self._clock.monotonic() - lag
+        with self._lock:
+            found: set[str] | None = None
+            for index, wanted in (
+                (self._by_key, idempotency_keys),
+                (self._by_operation, operation_ids),
+            ):
+                if wanted is not None:
+                    ids = {effect for value in wanted for effect in index.get(value, ())}
+                    found = ids if found is None else found & ids
+            entries = sorted((self._entries[i] for i in found or ()), key=lambda e: e.seq)
+            return [copy.deepcopy(e.data) for e in entries if e.committed_at <= horizon]
 
     def get(self, effect_id: str, *, lag: float) -> dict[str, Any] | None:
         """One effect if it is at least ``lag`` seconds old."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import resource
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,15 @@ class DrainResult:
     max_rss_mb: float
     double_checked: int
     effects: int
+    startup_s: float = 0.0  # spawning the daemons until all were connected and ready
+    daemon_cpu_s: float = 0.0  # all daemons' CPU (user + system), start-up included
+    sandbox_cpu_s: float = 0.0  # this process: the sandbox server and the polling
+
+    @property
+    def cpu_ms_per_check(self) -> tuple[float, float]:
+        """(daemons, sandbox) CPU per settled operation, in ms."""
+        n = max(self.settled, 1)
+        return self.daemon_cpu_s * 1000 / n, self.sandbox_cpu_s * 1000 / n
 
     @property
     def per_second(self) -> float:
@@ -61,9 +71,19 @@ class _SlowStatus(httpx.HTTPTransport):
 
 
 def _daemon(  # noqa: PLR0917 - a spawned process's target takes positional arguments
-    url: str, sandbox_url: str, owner: str, concurrency: int, latency: float, out: Any
+    url: str,
+    sandbox_url: str,
+    owner: str,
+    concurrency: int,
+    latency: float,
+    out: Any,
+    ready: Any,
+    go: Any,
 ) -> None:
-    """One daemon process until SIGTERM; reports its peak RSS (MB)."""
+    """One daemon process until SIGTERM; reports its peak RSS (MB) and CPU seconds.
+
+    It imports, connects and builds its reconciler first, says it is ready, and starts
+    draining when ``go`` is set: the clock measures draining, not Python's start-up."""
     import logging
 
     from payorch.daemon import ReconcilerDaemon
@@ -80,10 +100,14 @@ def _daemon(  # noqa: PLR0917 - a spawned process's target takes positional argu
                 policy=ReconcilerPolicy(concurrency=concurrency),
                 owner=owner,
             )
+            store.db_time()  # connected
+            ready.release()
+            go.wait()
             ReconcilerDaemon(rec, interval=timedelta(seconds=1)).run()
     finally:
         store.close()
-    out.put(_peak_rss_mb())
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out.put((_peak_rss_mb(), usage.ru_utime + usage.ru_stime))
 
 
 def _peak_rss_mb() -> float:
@@ -146,25 +170,35 @@ def drain(
     """``url`` must hold ``n`` due operations (see :func:`make_backlog`)."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
+    ready, go = ctx.Semaphore(0), ctx.Event()
     procs = [
         ctx.Process(
-            target=_daemon, args=(url, sandbox.url, f"drain-{d}", concurrency, latency, out)
+            target=_daemon,
+            args=(url, sandbox.url, f"drain-{d}", concurrency, latency, out, ready, go),
         )
         for d in range(daemons)
     ]
     store = Store.from_url(url)
     try:
-        started = time.perf_counter()
+        launched = time.perf_counter()
         for p in procs:
             p.start()
+        for _ in procs:
+            if not ready.acquire(timeout=120):  # bounded: a daemon that never starts
+                raise RuntimeError("a drain daemon did not start within 120 s")
+        startup = time.perf_counter() - launched
+        cpu_began = time.process_time()
+        started = time.perf_counter()
+        go.set()
         settled = 0
         while settled < n and time.perf_counter() - started < limit_s:  # bounded
             time.sleep(0.05)
             settled = _settled(store)
-        seconds = time.perf_counter() - started  # includes the processes' start-up
+        seconds = time.perf_counter() - started  # from the release of ready daemons
+        sandbox_cpu = time.process_time() - cpu_began
         for p in procs:
             os.kill(p.pid or 0, signal.SIGTERM)
-        rss = [out.get(timeout=60) for _ in procs]
+        reports = [out.get(timeout=60) for _ in procs]
         for p in procs:
             p.join(timeout=60)
         with store.engine.connect() as conn:
@@ -192,9 +226,12 @@ def drain(
         latency_ms=latency * 1000,
         seconds=seconds,
         settled=settled,
-        max_rss_mb=max(rss) if rss else 0.0,
+        max_rss_mb=max(r[0] for r in reports) if reports else 0.0,
         double_checked=sum(1 for _, c in per_op if c > 1),
         effects=effects,
+        startup_s=startup,
+        daemon_cpu_s=sum(r[1] for r in reports),
+        sandbox_cpu_s=sandbox_cpu,
     )
 
 
@@ -210,7 +247,9 @@ def print_drain(console: Console, results: list[DrainResult]) -> None:
         "concurrency",
         "seconds",
         "ops/s",
+        "start-up s",
         "peak RSS MB",
+        "CPU ms/op d / s",
         "checked twice",
         "effects",
     ):
@@ -222,7 +261,9 @@ def print_drain(console: Console, results: list[DrainResult]) -> None:
             str(r.concurrency),
             f"{r.seconds:.1f}",
             f"{r.per_second:.0f}",
+            f"{r.startup_s:.1f}",
             f"{r.max_rss_mb:.0f}",
+            "{:.2f} / {:.2f}".format(*r.cpu_ms_per_check),
             str(r.double_checked),
             str(r.effects),
         )

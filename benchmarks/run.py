@@ -48,7 +48,7 @@ from payorch.store import Store
 
 TENANT = "bench-shop"
 DEFAULT_SIZES = "10000,100000,300000"
-DRAIN: tuple[int, tuple[int, ...], int] = (10000, (1, 4), 20)  # operations, daemons, concurrency
+DRAIN: tuple[int, tuple[int, ...], int] = (10000, (1, 4), 32)  # operations, daemons, concurrency
 EXTRA: tuple[int, bool] = (10, True)  # duplicate storms, run the fsync=off secondary
 Say = Callable[[str], None]
 
@@ -275,7 +275,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--no-sandbox", action="store_true", help="skip the loopback HTTP run")
     p.add_argument("--drain", type=int, default=10000, help="due operations to drain (0 skips)")
     p.add_argument("--drain-daemons", default="1,4", help="daemon counts for the drain")
-    p.add_argument("--drain-concurrency", type=int, default=20, help="checks at once per daemon")
+    p.add_argument("--drain-concurrency", type=int, default=32, help="checks at once per daemon")
     p.add_argument("--storms", type=int, default=10, help="duplicate storms of 100 (0 skips)")
     p.add_argument("--no-fsync-off", action="store_true", help="skip the fsync=off secondary run")
     p.add_argument("--quick", action="store_true", help="small counts: a smoke run")

@@ -47,6 +47,7 @@ __all__ = [
     "read_in_transaction",
     "run_in_transaction",
     "run_sql",
+    "run_sql_rows",
     "run_statement",
     "schema_of",
 ]
@@ -375,11 +376,28 @@ def run_sql(
     these statements; the round trips are the same). Elsewhere (the async bridge) it runs
     through ``exec_driver_sql``.
     """
+    rows = _run_sql(engine, sql, params, write=write, every=False)
+    return rows[0] if rows else None
+
+
+def run_sql_rows(
+    engine: Engine, sql: str, params: Mapping[str, Any], *, write: bool = True
+) -> list[tuple[Any, ...]]:
+    """:func:`run_sql`, every row."""
+    return _run_sql(engine, sql, params, write=write, every=True)
+
+
+def _run_sql(
+    engine: Engine, sql: str, params: Mapping[str, Any], *, write: bool, every: bool
+) -> list[tuple[Any, ...]]:
     if engine.dialect.is_async or engine.dialect.driver != "psycopg":
-        row = run_statement(
-            engine, lambda conn: conn.exec_driver_sql(sql, params).first(), write=write
-        )
-        return tuple(row) if row is not None else None
+
+        def run(conn: Connection) -> list[tuple[Any, ...]]:
+            result = conn.exec_driver_sql(sql, params)
+            found = result.all() if every else [result.first()]
+            return [tuple(row) for row in found if row is not None]
+
+        return run_statement(engine, run, write=write)
     error: type[Exception] = engine.dialect.loaded_dbapi.Error
     for attempt in range(MAX_TRANSACTION_ATTEMPTS):
         try:
@@ -391,9 +409,10 @@ def run_sql(
         driver: Any = fairy.driver_connection
         try:
             driver.autocommit = True
-            row = driver.execute(sql, params).fetchone()
+            cursor = driver.execute(sql, params)
+            rows = cursor.fetchall() if every else [cursor.fetchone()]
             driver.autocommit = False
-            return row  # type: ignore[no-any-return]
+            return [row for row in rows if row is not None]
         except error as orig:
             broken = bool(driver.closed or driver.broken)
             if broken:

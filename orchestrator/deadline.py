@@ -13,6 +13,7 @@ the same announcements say whether writing had begun when it was cancelled.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -152,22 +153,93 @@ def _traces_phases(client: httpx.Client | httpx.AsyncClient, request: httpx.Requ
     return isinstance(transport, httpx.HTTPTransport | httpx.AsyncHTTPTransport)
 
 
+class _Workers:
+    """Daemon threads for provider calls, kept idle for the next call.
+
+    Starting a thread per call cost more CPU than a loopback call itself. A call never
+    waits for a worker: with none idle a new one starts, so a worker held by an abandoned
+    call (it stops at its next phase) delays nobody. Idle workers beyond ``keep``, or idle
+    for ``idle_for`` seconds, end.
+    """
+
+    def __init__(self, keep: int = 64, idle_for: float = 60.0) -> None:
+        self._keep = keep
+        self._idle_for = idle_for
+        self._lock = threading.Lock()
+        self._idle: list[_Worker] = []
+
+    def run(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            worker = self._idle.pop() if self._idle else None
+        if worker is None:
+            thread = threading.Thread(
+                target=_Worker(self).loop, args=(job,), name="payorch-provider-call", daemon=True
+            )
+            thread.start()
+        else:
+            worker.give(job)
+
+    def park(self, worker: _Worker) -> Callable[[], None] | None:
+        """Wait idle for the next job; None: end the thread."""
+        with self._lock:
+            if len(self._idle) >= self._keep:
+                return None
+            self._idle.append(worker)
+        if not worker.handed.wait(self._idle_for):
+            with self._lock:
+                if worker in self._idle:
+                    self._idle.remove(worker)
+                    return None
+            worker.handed.wait()  # taken from the list just now: its job is on the way
+        return worker.take()
+
+    def forget(self) -> None:
+        """In a forked child: the parent's threads do not exist there."""
+        self._lock = threading.Lock()
+        self._idle = []
+
+
+class _Worker:
+    def __init__(self, workers: _Workers) -> None:
+        self._workers = workers
+        self.handed = threading.Event()
+        self._job: Callable[[], None] | None = None
+
+    def give(self, job: Callable[[], None]) -> None:
+        self._job = job
+        self.handed.set()
+
+    def take(self) -> Callable[[], None] | None:
+        self.handed.clear()
+        job, self._job = self._job, None
+        return job
+
+    def loop(self, job: Callable[[], None] | None) -> None:
+        while job is not None:
+            job()  # _Call.run hands every exception to its caller
+            job = self._workers.park(self)
+
+
+_WORKERS = _Workers()
+os.register_at_fork(after_in_child=_WORKERS.forget)
+
+
 def send_with_deadline(
     client: httpx.Client, request: httpx.Request, *, deadline: float
 ) -> httpx.Response:
     """Send ``request`` and read its whole body, or raise by ``deadline`` at the latest.
 
-    ``deadline`` is a :func:`time.monotonic` instant. The call runs on a worker thread and
-    the caller waits for it until the deadline, so the caller's bound is the deadline itself
-    whatever the provider does (a body or headers trickled one byte per read time-out
-    included). On time, the worker's result is returned, or its ``httpx.HTTPError`` raised.
-    Past it :class:`DeadlineExceeded` is raised, with ``possibly_sent=False`` only when
-    httpcore had not begun writing the request (waiting for a pool slot, connecting, TLS);
-    the abandoned worker then never writes, and stops at its next phase or body chunk.
+    ``deadline`` is a :func:`time.monotonic` instant. The call runs on a worker thread (kept
+    for the next call) and the caller waits for it until the deadline, so the caller's bound
+    is the deadline itself whatever the provider does (a body or headers trickled one byte
+    per read time-out included). On time, the worker's result is returned, or its
+    ``httpx.HTTPError`` raised. Past it :class:`DeadlineExceeded` is raised, with
+    ``possibly_sent=False`` only when httpcore had not begun writing the request (waiting
+    for a pool slot, connecting, TLS); the abandoned worker then never writes, and stops at
+    its next phase or body chunk.
     """
     call = _Call(client, request, deadline)
-    worker = threading.Thread(target=call.run, name="payorch-provider-call", daemon=True)
-    worker.start()
+    _WORKERS.run(call.run)
     if not call.done.wait(max(0.0, deadline - time.monotonic())):
         expired = call.give_up()
         if expired is not None:

@@ -8,19 +8,25 @@ turns the row into a record. Timestamps come from the database; ids from the cal
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy.engine import Engine
 
 from .core import State, downstream_key
-from .db import run_sql
-from .errors import StaleVersion, StorageError
+from .db import run_sql, run_sql_rows
+from .errors import CorruptRecord, StaleVersion, StorageError
 from .records import OPERATION_COLUMNS, NewOperation, OperationRecord
-from .statements import PG_CLAIM, PG_REREAD, pg_transition_sql
+from .statements import (
+    PG_CLAIM,
+    PG_CLAIM_DUE,
+    PG_CLAIM_DUE_TENANTS,
+    PG_REREAD,
+    pg_transition_sql,
+)
 
-__all__ = ["claim", "json_param", "reread", "transition"]
+__all__ = ["claim", "claim_due", "json_param", "reread", "transition"]
 
 _NOW = len(OPERATION_COLUMNS) + 1  # after the kind and the columns: the database time
 
@@ -128,3 +134,34 @@ def transition(
             operation_id=record.id,
         )
     return OperationRecord.from_pg(row)
+
+
+Unreadable = tuple[CorruptRecord, tuple[str, str, int]]  # the error; tenant, id, version
+_WHERE = tuple(OPERATION_COLUMNS.index(name) + 1 for name in ("tenant_id", "id", "version"))
+
+
+def claim_due(
+    engine: Engine,
+    *,
+    owner: str,
+    lease_s: float,
+    limit: int,
+    tenant_ids: Collection[str] | None,
+) -> tuple[list[tuple[OperationRecord, datetime]], list[Unreadable]]:
+    """``PG_CLAIM_DUE``: up to ``limit`` due operations leased to ``owner`` in one statement;
+    with the database time, oldest next check first. Rows that cannot be read come back
+    apart, with the (tenant, id, version) the lease left them at, to be quarantined."""
+    params: dict[str, Any] = {"owner": owner, "lease_s": lease_s, "limit": limit}
+    sql = PG_CLAIM_DUE
+    if tenant_ids is not None:
+        sql, params["tenant_ids"] = PG_CLAIM_DUE_TENANTS, sorted(tenant_ids)
+    rows = sorted(run_sql_rows(engine, sql, params), key=lambda row: row[0])
+    leased: list[tuple[OperationRecord, datetime]] = []
+    corrupt: list[Unreadable] = []
+    for row in rows:
+        try:
+            leased.append((OperationRecord.from_pg(row[1:-1]), row[-1].astimezone(UTC)))
+        except CorruptRecord as exc:
+            tenant_id, op_id, version = (row[i] for i in _WHERE)
+            corrupt.append((exc, (tenant_id, op_id, version)))
+    return leased, corrupt

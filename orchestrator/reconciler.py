@@ -8,12 +8,13 @@ checks or age, is flagged ``needs_attention`` for a human.
 from __future__ import annotations
 
 import contextvars
+import queue
 import random
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -151,7 +152,8 @@ class Reconciler:
             return self._check_inline(
                 pending, report, stop=stop, tick=tick, lease_more=lease_more, more=lambda: more
             )
-        running: dict[Future[str], OperationRecord] = {}
+        finished: queue.SimpleQueue[Future[str]] = queue.SimpleQueue()
+        running = 0
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="payorch-check") as pool:
             while True:
                 if stop is not None and stop.is_set():
@@ -162,18 +164,17 @@ class Reconciler:
                         report.released += 1
                 elif more and len(pending) < self.concurrency:
                     lease_more()  # while the running checks wait on their providers
-                while pending and len(running) < self.concurrency:
+                while pending and running < self.concurrency:
                     record, now, claimed_at = pending.popleft()
                     # Each check in its own thread, under the caller's tracing context.
                     ctx = contextvars.copy_context()
                     job = pool.submit(ctx.run, self._check_leased, record, now, claimed_at)
-                    running[job] = record
+                    job.add_done_callback(finished.put)  # one wake-up per finished check
+                    running += 1
                 if not running:
                     break
-                finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                for job in finished:
-                    del running[job]
-                    tick(job.result())
+                tick(finished.get().result())
+                running -= 1
         return report
 
     def _check_inline(

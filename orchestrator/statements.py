@@ -22,12 +22,21 @@ from sqlalchemy.engine import Connection
 
 from .core import State
 from .records import OPERATION_COLUMNS, OperationRecord
-from .tables import TERMINAL_STATE_VALUES, db_now, db_now_plus, events, operations
+from .tables import (
+    ACTIVE_STATE_VALUES,
+    TERMINAL_STATE_VALUES,
+    db_now,
+    db_now_plus,
+    events,
+    operations,
+)
 
 __all__ = [
     "EVENT_INSERT",
     "PG_CLAIM",
     "PG_CLAIMED",
+    "PG_CLAIM_DUE",
+    "PG_CLAIM_DUE_TENANTS",
     "PG_EXISTING",
     "PG_REPLAYED",
     "PG_REREAD",
@@ -286,6 +295,32 @@ PG_REREAD = f"""WITH rep AS (
 SELECT {PG_REPLAYED}, {_COLS}, clock_timestamp(), {_ASYNC_COMMIT} FROM rep
 UNION ALL SELECT {PG_EXISTING}, {_COLS}, clock_timestamp(), NULL FROM {_OPS}
     WHERE tenant_id = %(tenant_id)s AND id = %(id)s AND NOT EXISTS (SELECT FROM rep)"""  # noqa: S608
+
+# The reconciler's lease of a batch: pick due operations (the active partial index, oldest
+# next check first, rows other reconcilers hold skipped) and lease them, one statement.
+# RETURNING: the pick's next_check_at (the batch's order), the columns, the database time.
+_ACTIVE = ", ".join(f"'{s}'" for s in ACTIVE_STATE_VALUES)
+
+
+def _claim_due_sql(some_tenants: bool) -> str:
+    only = " AND tenant_id = ANY(%(tenant_ids)s)" if some_tenants else ""
+    return f"""WITH picked AS (
+    SELECT tenant_id, id, version, next_check_at FROM {_OPS}
+    WHERE state IN ({_ACTIVE}) AND next_check_at <= clock_timestamp()
+        AND (lease_expires_at IS NULL OR lease_expires_at <= clock_timestamp()){only}
+    ORDER BY next_check_at LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {_OPS} AS o SET lease_owner = %(owner)s, lease_expires_at = {_now_plus("lease_s")},
+    version = o.version + 1, updated_at = clock_timestamp()
+FROM picked
+WHERE o.tenant_id = picked.tenant_id AND o.id = picked.id AND o.version = picked.version
+RETURNING picked.next_check_at, {", ".join(f"o.{c}" for c in OPERATION_COLUMNS)},
+    clock_timestamp()"""  # noqa: S608
+
+
+PG_CLAIM_DUE = _claim_due_sql(some_tenants=False)
+PG_CLAIM_DUE_TENANTS = _claim_due_sql(some_tenants=True)  # a daemon per shard of tenants
 
 # (S608 below: the f-strings splice in names and literals of this module only; every value
 # is a bound parameter.)

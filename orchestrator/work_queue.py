@@ -5,6 +5,7 @@ A mixin of :class:`~payorch.store.Store`; it uses the store's engine and event l
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Mapping
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from . import pg_writes
 from .db import run_in_transaction
 from .errors import CorruptRecord, StaleVersion
 from .records import OperationRecord
@@ -63,6 +65,22 @@ class WorkQueue:
         t = operations.c
         lease_s = lease.total_seconds()
         corrupt: list[CorruptRecord] = []
+        if self.is_postgres:
+            # One statement picks and leases the batch (one round trip, no per-row UPDATE);
+            # an unreadable row is set aside after it, fenced by the lease just taken.
+            batch, unreadable = pg_writes.claim_due(
+                self.engine, owner=owner, lease_s=lease_s, limit=limit, tenant_ids=tenant_ids
+            )
+            for exc, where in unreadable:
+                quarantine_one = functools.partial(
+                    self._quarantine, exc=exc, where=where, owner=owner, hold=quarantine
+                )
+                run_in_transaction(self.engine, quarantine_one)
+                corrupt.append(exc)
+            if on_quarantine is not None:
+                for exc in corrupt:
+                    on_quarantine(exc)
+            return batch
 
         def txn(conn: Connection) -> list[tuple[OperationRecord, datetime]]:
             pick = (

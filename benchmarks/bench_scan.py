@@ -3,10 +3,11 @@
 The operations table is filled with T terminal operations plus a fixed number of due
 ``outcome_unknown`` ones, ANALYZEd, and then:
 
-* the exact SELECT that ``Store.claim_due`` issues (captured from the engine) is run under
-  ``EXPLAIN (ANALYZE, BUFFERS)``, and on its own in rolled-back transactions;
-* ``Store.claim_due(limit=50)`` itself is timed (pick + 50 fenced lease updates + commit),
-  the claimed operations being made due again between calls, outside the clock.
+* the exact statement that ``Store.claim_due`` sends (captured at the driver's cursor: the
+  pick, ``SELECT ... FOR UPDATE SKIP LOCKED``, and the lease in one ``UPDATE ... FROM``) is
+  run under ``EXPLAIN (ANALYZE, BUFFERS)``, and on its own in rolled-back transactions;
+* ``Store.claim_due(limit=50)`` itself is timed (that statement, committed), the claimed
+  operations being made due again between calls, outside the clock.
 
 If the scan reads the partial index ``ix_payorch_operations_active`` its buffers stay flat
 while T grows; a scan of the table would grow with T.
@@ -22,7 +23,6 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
-from sqlalchemy import event
 
 from payorch.store import Store
 
@@ -180,19 +180,22 @@ def reset_claimed(conninfo: str) -> None:
 
 
 def capture_pick(store: Store) -> tuple[str, Mapping[str, Any]]:
-    """Run ``claim_due`` once and keep the SELECT ... FOR UPDATE SKIP LOCKED it sent."""
+    """Run ``claim_due`` once and keep the statement with ``FOR UPDATE SKIP LOCKED`` it sent
+    (seen by a recording psycopg cursor on a second store for the same database)."""
     seen: list[tuple[str, Mapping[str, Any]]] = []
 
-    def listener(**kw: Any) -> None:
-        statement = str(kw["statement"])
-        if not seen and "SKIP LOCKED" in statement.upper():
-            seen.append((statement, dict(kw["parameters"] or {})))
+    class Recording(psycopg.Cursor[Any]):
+        def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+            statement = str(query)
+            if not seen and "SKIP LOCKED" in statement.upper():
+                seen.append((statement, dict(params or {})))
+            return super().execute(query, params, **kwargs)
 
-    event.listen(store.engine, "before_cursor_execute", listener, named=True)
+    probe = Store.from_url(store.engine.url, connect_args={"cursor_factory": Recording})
     try:
-        store.claim_due(owner=OWNER, lease=LEASE, limit=BATCH)
+        probe.claim_due(owner=OWNER, lease=LEASE, limit=BATCH)
     finally:
-        event.remove(store.engine, "before_cursor_execute", listener)
+        probe.close()
     if not seen:
         raise RuntimeError("claim_due sent no SELECT ... FOR UPDATE SKIP LOCKED")
     return seen[0]

@@ -370,10 +370,10 @@ def _print_scan(console: Console, report: Report) -> None:
     console.print(
         "  buffers: shared blocks hit+read by the scan (EXPLAIN ANALYZE, BUFFERS) right after "
         "VACUUM; after churn: the same after the claim_due repetitions, before any VACUUM.\n"
-        "  scan: the SELECT .. FOR UPDATE SKIP LOCKED that claim_due sends, alone, rolled "
-        "back. claim_due: that scan, one fenced lease UPDATE .. RETURNING\n"
-        f"  per claimed operation and the commit (~{per_row:.2f} ms per claimed operation at "
-        "the largest size)."
+        "  scan: the statement claim_due sends on PostgreSQL (UPDATE .. FROM (SELECT .. FOR "
+        "UPDATE SKIP LOCKED LIMIT 50) RETURNING: pick and lease), rolled back.\n"
+        "  claim_due: the same statement committed, through the store "
+        f"(~{per_row:.2f} ms per claimed operation at the largest size)."
     )
     console.print(f"  plan: {last.plan_chain}")
     console.print(f"  EXPLAIN (ANALYZE, BUFFERS) at {last.terminal:,} terminal operations:")

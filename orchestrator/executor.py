@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from . import logs, metrics, tracing
-from .bridge import pause
+from .bridge import bridged, pause
 from .core import State, backoff_delay, max_backoff_total
 from .errors import (
     ConfigurationError,
@@ -31,7 +31,8 @@ from .errors import (
     StorageError,
     UnknownProvider,
 )
-from .operations import Registry, default_registry
+from .flights import Flight, Flights
+from .operations import Prepared, Registry, default_registry
 from .outcome import Outcome, decide, late_conflict
 from .provider import Answer, AnswerKind, Provider, SubmitRequest
 from .records import OperationRecord
@@ -88,6 +89,8 @@ class Executor:
         self.owner = owner or default_owner()
         self._sleep = sleep
         self._rand = rand
+        # Identical requests waiting together in this process share one leader's trip.
+        self.flights = Flights()
         for p in self.providers.values():
             needed = self.lease_needed(p)
             if lease < needed:
@@ -151,6 +154,52 @@ class Executor:
                 "which this executor was not given"
             )
         seen = metrics.for_execution(prepared.new.operation, adapter.name)
+        new = prepared.new
+        namespace = (new.tenant_id, new.operation, new.idempotency_key)
+        flight, leading = None, False
+        if self.store.is_postgres and not bridged():
+            may_join = wait is not None and wait > timedelta(0)
+            flight, leading = self.flights.lead_or_join(
+                namespace, new.fingerprint, may_join=may_join
+            )
+        if flight is not None and not leading:
+            assert wait is not None
+            waited = time.monotonic()
+            shared = self._join(flight, wait)
+            if shared is not None:
+                seen.finished("replayed" if shared.replayed else "existing", started)
+                return shared
+            wait = max(timedelta(0), wait - timedelta(seconds=time.monotonic() - waited))
+        answered: OperationRecord | None = None
+        try:
+            answered, replayed = self._execute(prepared, adapter, seen, started, wait)
+            return Outcome.from_record(answered, replayed=replayed)
+        finally:
+            if leading and flight is not None:
+                self.flights.land(namespace, flight, answered)
+
+    def _join(self, flight: Flight, wait: timedelta) -> Outcome | None:
+        """A joiner's answer: the leader's, a replay if settled; None: take the usual path."""
+        record, to_count = self.flights.wait(flight, wait.total_seconds())
+        if record is None:
+            return None
+        if to_count:
+            try:
+                self.store.count_replays(record, to_count)
+            except StorageError as exc:  # a count in doubt is no reason to fail an answer
+                logs.executor_log.warning("replays of %s not counted: %s", record.id, exc)
+        return Outcome.from_record(record, replayed=record.terminal)
+
+    def _execute(
+        self,
+        prepared: Prepared,
+        adapter: Provider,
+        seen: metrics.Recorder,
+        started: float,
+        wait: timedelta | None,
+    ) -> tuple[OperationRecord, bool]:
+        """The claim, and the provider call if it created the operation: the record to
+        answer with, and whether that answer is a replay."""
         claiming = time.perf_counter()
         try:
             with tracing.claim(adapter.name) as span:
@@ -164,7 +213,7 @@ class Executor:
         seen.claimed(time.perf_counter() - claiming)
         if not claim.created:
             seen.finished("replayed" if claim.replayed else "existing", started)
-            return Outcome.from_record(claim.operation, replayed=claim.replayed)
+            return claim.operation, claim.replayed
         op_id = claim.operation.id
         try:
             record = submit_and_record(
@@ -191,7 +240,7 @@ class Executor:
                 retry_after=exc.retry_after,
             ) from exc
         seen.finished("fresh", started, record.state)
-        return Outcome.from_record(record, replayed=False)
+        return record, False
 
 
 _LATE_RACES = 5  # attempts to fence a late conflict's flag before only recording it

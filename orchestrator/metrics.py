@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AVAILABLE",
+    "Recorder",
     "StoreGauges",
     "checked",
     "counts_executions",
@@ -169,6 +170,7 @@ class _Nothing:
 
 
 _NOTHING = _Nothing()
+Recorder = _Nothing  # what for_execution() and for_provider() hand out
 
 
 class ExecutionMetrics(_Nothing):

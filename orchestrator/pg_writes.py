@@ -26,7 +26,7 @@ from .statements import (
     pg_transition_sql,
 )
 
-__all__ = ["claim", "claim_due", "json_param", "reread", "transition"]
+__all__ = ["claim", "claim_due", "json_param", "reread", "reread_for", "transition"]
 
 _NOW = len(OPERATION_COLUMNS) + 1  # after the kind and the columns: the database time
 
@@ -77,14 +77,32 @@ def claim(
     return row[0], OperationRecord.from_pg(row[1:]), row[_NOW].astimezone(UTC)
 
 
-def reread(engine: Engine, record: OperationRecord) -> OperationRecord:
-    """``PG_REREAD``: the operation now, its replay counted if it is terminal."""
-    params = {"tenant_id": record.tenant_id, "id": record.id, "fingerprint": record.fingerprint}
+def reread(engine: Engine, record: OperationRecord, replays: int = 1) -> OperationRecord:
+    """``PG_REREAD``: the operation now, ``replays`` counted if it is terminal."""
+    params = _reread_params(record, replays)
     # A lost answer only leaves a replay count in doubt: nothing to tell the client.
     row = run_sql(engine, PG_REREAD, params, write=False)
     if row is None:  # pragma: no cover - the operation is never deleted, only reaped
         raise StorageError(f"operation {record.id} vanished")
     return OperationRecord.from_pg(row[1:])
+
+
+def reread_for(driver_connection: Any, record: OperationRecord, waiters: int) -> OperationRecord:
+    """``PG_REREAD`` on a psycopg connection in autocommit (the waiters' listener), for
+    ``waiters`` requests at once: that many replays are counted if it is terminal."""
+    row = driver_connection.execute(PG_REREAD, _reread_params(record, waiters)).fetchone()
+    if row is None:  # pragma: no cover - the operation is never deleted, only reaped
+        raise StorageError(f"operation {record.id} vanished")
+    return OperationRecord.from_pg(row[1:])
+
+
+def _reread_params(record: OperationRecord, replays: int) -> dict[str, Any]:
+    return {
+        "tenant_id": record.tenant_id,
+        "id": record.id,
+        "fingerprint": record.fingerprint,
+        "replays": replays,
+    }
 
 
 def transition(

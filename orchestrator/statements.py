@@ -287,7 +287,7 @@ UNION ALL SELECT {PG_EXISTING}, {_COLS}, clock_timestamp(), NULL FROM {_OPS}
 
 # A waiter's look at the operation it waits for: counted as a replay if it is one by now.
 PG_REREAD = f"""WITH rep AS (
-    UPDATE {_OPS} SET replays = replays + 1, last_replayed_at = clock_timestamp()
+    UPDATE {_OPS} SET replays = replays + %(replays)s, last_replayed_at = clock_timestamp()
     WHERE tenant_id = %(tenant_id)s AND id = %(id)s AND fingerprint = %(fingerprint)s
         AND state IN ({_TERMINAL}) AND reaped_at IS NULL
     RETURNING {_COLS}

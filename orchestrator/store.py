@@ -26,7 +26,7 @@ from sqlalchemy.engine import URL, Connection, Engine
 
 from . import pg_writes
 from .core import State, check_transition, downstream_key
-from .db import create_engine, run_in_transaction, run_statement
+from .db import create_engine, run_in_transaction, run_statement, schema_of
 from .errors import (
     CommitUncertain,
     IdempotencyKeyExpired,
@@ -47,7 +47,7 @@ from .statements import (
 )
 from .store_reads import Reads
 from .tables import db_now, operations
-from .waiting import NOTIFY_CHANNEL, Listener, wait_until_settled
+from .waiting import NOTIFY_CHANNEL, Listener, Mark, wait_until_settled
 from .work_queue import QUARANTINE_EVENT, QUARANTINE_HOLD, WorkQueue
 
 __all__ = ["NOTIFY_CHANNEL", "QUARANTINE_EVENT", "QUARANTINE_HOLD", "Store", "new_id"]
@@ -106,7 +106,13 @@ class Store(Reads, WorkQueue):
         with self._listener_lock:
             if self._listener is None:
                 url = self.engine.url.set(drivername="postgresql")
-                self._listener = Listener(url.render_as_string(hide_password=False))
+                schema = schema_of(self.engine)
+                self._listener = Listener(
+                    url.render_as_string(hide_password=False),
+                    # It reads for woken waiters, on its own connection: payorch's tables.
+                    reader=pg_writes.reread_for,
+                    options=f"-c search_path={schema}" if schema not in (None, "public") else None,
+                )
             return self._listener
 
     @property
@@ -134,13 +140,15 @@ class Store(Reads, WorkQueue):
         """
         op_id = new_id()
         lease_s = lease.total_seconds()
+        # Before the read: a waiter need not look again if no NOTIFY for it came since.
+        since = self._listener.mark() if self._listener is not None and wait else None
         if self.is_postgres:
             fast = self._claim_pg(new, op_id, owner, lease_s, possibly_sent)
             if fast is not None:
                 record, created, lease_remaining = fast
                 if created:
                     return ClaimResult(operation=record, created=True)
-                return self._existing(record, new, lease_remaining, wait)
+                return self._existing(record, new, lease_remaining, wait, since)
 
         params = {
             "c_tenant_id": new.tenant_id,
@@ -234,7 +242,7 @@ class Store(Reads, WorkQueue):
             record, created, lease_remaining = attempted[0]
         if created:
             return ClaimResult(operation=record, created=True)
-        return self._existing(record, new, lease_remaining, wait)
+        return self._existing(record, new, lease_remaining, wait, since)
 
     def _claim_pg(
         self, new: NewOperation, op_id: str, owner: str, lease_s: float, possibly_sent: bool
@@ -296,6 +304,7 @@ class Store(Reads, WorkQueue):
         new: NewOperation,
         lease_remaining: float,
         wait: timedelta | None,
+        since: Mark | None = None,
     ) -> ClaimResult:
         if record.reaped_at is not None:
             raise IdempotencyKeyExpired(
@@ -310,7 +319,7 @@ class Store(Reads, WorkQueue):
             )
         if record.state is State.IN_PROGRESS and wait is not None and wait > timedelta(0):
             # Each look counts the replay the wait ends in, like any other replay.
-            record = wait_until_settled(self, record, wait, reread=self._reread)
+            record = wait_until_settled(self, record, wait, reread=self._reread, since=since)
             if record.state is State.IN_PROGRESS and record.lease_expires_at is not None:
                 lease_remaining = (record.lease_expires_at - self.db_time()).total_seconds()
         if record.terminal:
@@ -512,6 +521,12 @@ class Store(Reads, WorkQueue):
         PostgreSQL waiters sleep on LISTEN/NOTIFY; SQLite waiters poll with backoff.
         """
         return wait_until_settled(self, record, wait)
+
+    def count_replays(self, record: OperationRecord, replays: int) -> None:
+        """Count ``replays`` answers given from ``record`` (terminal) without reading it
+        (joiners of a flight: :mod:`payorch.flights`). PostgreSQL only; a lost answer only
+        leaves the count in doubt."""
+        pg_writes.reread(self.engine, record, replays)
 
     # -- helpers ----------------------------------------------------------------------
 

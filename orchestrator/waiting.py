@@ -1,10 +1,12 @@
 """Bounded waits for an operation in progress to settle.
 
 On PostgreSQL one listener per store (a single connection, LISTEN, outside the pool) wakes
-waiters as soon as the store's NOTIFY says their operation left ``in_progress``: a waiter
-reads the operation once after it is registered (so a NOTIFY it could have missed is not
-waited for), then once per wake-up, one statement each, and otherwise only every
-``_POLL_CAP`` seconds as a safety net. However many requests wait, they cost one
+waiters as soon as the store's NOTIFY says their operation left ``in_progress``, and reads
+it for them: one statement on its own connection per NOTIFY, however many requests wait
+for that operation, counting each of their replays. A waiter reads the operation itself
+only where that read cannot be shared: once after it registers, unless the listener can
+vouch that no NOTIFY for it came since the claim's read (it was listening throughout), and
+every ``_POLL_CAP`` seconds as a safety net. However many requests wait, they cost one
 connection and no database work while nothing changes; if that connection fails, waiters
 poll every ``_POLL_FALLBACK`` seconds until it is back. SQLite waiters poll with backoff.
 
@@ -18,9 +20,10 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .bridge import bridged, pause, wait_for
 from .core import State
@@ -29,7 +32,7 @@ from .records import OperationRecord
 if TYPE_CHECKING:
     from .store import Store
 
-__all__ = ["NOTIFY_CHANNEL", "Listener", "LoopWaker", "Waker", "wait_until_settled"]
+__all__ = ["NOTIFY_CHANNEL", "Listener", "LoopWaker", "Mark", "Waker", "wait_until_settled"]
 
 NOTIFY_CHANNEL = "payorch_operations"
 _POLL_CAP = 5.0  # seconds between re-reads while the listener is up (NOTIFY wakes sooner)
@@ -38,10 +41,21 @@ _RECONNECT_DELAY = 1.0
 
 
 class Waker:
-    """What a waiter naps on: set from the listener thread, cleared after each nap."""
+    """What a waiter naps on: set from the listener thread, cleared after each nap.
 
-    def __init__(self) -> None:
+    The listener may also hand it the operation as read for it (``deliver``): between
+    ``serving`` (set under the listener's lock) and the delivery, the waiter must not
+    read it itself, or its replay would be counted twice.
+    """
+
+    def __init__(self, record: OperationRecord | None = None) -> None:
         self._event = threading.Event()
+        self.record = record  # what it waits on (the listener reads it by id)
+        self.serving = False  # the listener is reading for it: wait for the delivery
+        self.looking = False  # it is reading for itself: the listener only wakes it
+        self.look_first = True  # read before the first nap (see Listener.register)
+        self._delivered = threading.Event()
+        self._fresh: OperationRecord | None = None
 
     def set(self) -> None:
         self._event.set()
@@ -50,46 +64,108 @@ class Waker:
         self._event.wait(seconds)
         self._event.clear()
 
+    def deliver(self, fresh: OperationRecord | None) -> None:
+        """The listener's read (None: it failed, read it yourself)."""
+        self._fresh = fresh
+        self._delivered.set()
+        self.set()
+
+    def delivery(self) -> OperationRecord | None:
+        """Wait for the listener's read (it is one statement away); take it."""
+        self._await_delivery()
+        self._delivered.clear()
+        fresh, self._fresh = self._fresh, None
+        return fresh
+
+    def _await_delivery(self) -> None:
+        self._delivered.wait()
+
 
 class LoopWaker(Waker):
     """A waiter on an event loop: the listener thread hands the wake-up to that loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: OperationRecord | None = None) -> None:
+        super().__init__(record)
         self._loop = asyncio.get_running_loop()
         self._woken = asyncio.Event()
+        self._arrived = asyncio.Event()
 
     def set(self) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
             self._loop.call_soon_threadsafe(self._woken.set)
+
+    def deliver(self, fresh: OperationRecord | None) -> None:
+        super().deliver(fresh)
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._arrived.set)
 
     def nap(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             wait_for(asyncio.wait_for(self._woken.wait(), seconds))
         self._woken.clear()
 
+    def _await_delivery(self) -> None:
+        while not self._delivered.is_set():
+            wait_for(self._arrived.wait())
+            self._arrived.clear()
+
+
+# A reader runs the waiters' read on the listener's own psycopg connection: (connection,
+# the operation, how many waiters it answers) -> the operation now, their replays counted.
+SharedReader = Callable[[Any, OperationRecord, int], OperationRecord]
+Mark = tuple[int, int]  # (the LISTEN's generation, the last NOTIFY's number)
+_RECENT = 4096  # keys of recent NOTIFYs remembered, for marks
+
 
 class Listener:
     """One LISTEN connection shared by every waiter of a store."""
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(
+        self, dsn: str, *, reader: SharedReader | None = None, options: str | None = None
+    ) -> None:
         self._dsn = dsn
+        self._reader = reader
+        self._options = options
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._waiters: dict[str, set[Waker]] = {}
         self._stop = threading.Event()
         self._listening = threading.Event()  # LISTEN is in force: a NOTIFY cannot be missed
         self._thread: threading.Thread | None = None
+        self._generation = 0  # LISTENs so far: a reconnect may have missed NOTIFYs
+        self._seq = 0  # NOTIFYs received
+        self._recent: OrderedDict[str, int] = OrderedDict()  # key -> its last NOTIFY's number
+        self._forgotten = 0  # the highest number dropped from _recent
 
     @property
     def listening(self) -> bool:
         return self._listening.is_set()
 
-    def register(self, key: str) -> Waker:
+    def mark(self) -> Mark | None:
+        """Taken before a read that may find an operation in progress; see :meth:`register`."""
+        with self._lock:
+            return (self._generation, self._seq) if self._listening.is_set() else None
+
+    def register(
+        self, key: str, record: OperationRecord | None = None, *, since: Mark | None = None
+    ) -> Waker:
         """A waker for ``key`` (``tenant:operation id``). Every NOTIFY for the key from
         the LISTEN on reaches it, and the LISTEN itself wakes every waiter registered
-        before it (their look may have preceded a NOTIFY nobody heard)."""
-        event = LoopWaker() if bridged() else Waker()
+        before it (their look may have preceded a NOTIFY nobody heard).
+
+        ``look_first`` on the waker says whether its waiter must read the operation before
+        napping: not if ``since`` (a :meth:`mark` taken before the waiter's last read) shows
+        the LISTEN held throughout and no NOTIFY for the key came since. With ``record``,
+        the listener reads the operation for it when a NOTIFY comes."""
+        event = LoopWaker(record) if bridged() else Waker(record)
         with self._lock:
+            generation, seq = since if since is not None else (-1, -1)
+            event.look_first = not (
+                self._listening.is_set()
+                and generation == self._generation
+                and seq >= self._forgotten
+                and self._recent.get(key, -1) <= seq
+            )
             self._waiters.setdefault(key, set()).add(event)
             self._changed.notify_all()
         self.start(timeout=0)
@@ -103,6 +179,19 @@ class Listener:
                 if not events:
                     del self._waiters[key]
             self._changed.notify_all()
+
+    def begin_look(self, event: Waker) -> bool:
+        """True if the listener is reading for ``event`` (take its delivery); else the
+        waiter reads for itself (until :meth:`end_look`) and the listener only wakes it."""
+        with self._lock:
+            if event.serving:
+                return True
+            event.looking = True
+            return False
+
+    def end_look(self, event: Waker) -> None:
+        with self._lock:
+            event.looking = event.serving = False
 
     def start(self, timeout: float) -> bool:
         """Start listening now rather than for the first waiter; True once LISTEN holds."""
@@ -127,25 +216,57 @@ class Listener:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=_POLL_CAP * 3)
 
-    def _wake(self, key: str) -> None:
+    def _notified(self, key: str, pg: Any) -> None:
+        """A NOTIFY for ``key``: read the operation once for every idle waiter (counting
+        their replays), and wake those reading for themselves to look again."""
         with self._lock:
-            for event in self._waiters.get(key, ()):
-                event.set()
+            self._seq += 1
+            self._recent[key] = self._seq
+            self._recent.move_to_end(key)
+            while len(self._recent) > _RECENT:
+                self._forgotten = self._recent.popitem(last=False)[1]
+            events = self._waiters.get(key, set())
+            shared = self._reader is not None
+            serve = [
+                e
+                for e in events
+                if shared and e.record is not None and not (e.looking or e.serving)
+            ]
+            for event in events:
+                if event in serve:
+                    event.serving = True
+                else:
+                    event.set()
+        if not serve:
+            return
+        fresh = None
+        try:
+            assert self._reader is not None and serve[0].record is not None
+            fresh = self._reader(pg, serve[0].record, len(serve))
+        finally:  # None (the read failed): each waiter reads for itself
+            for event in serve:
+                event.deliver(fresh)
 
     def _run(self) -> None:
         # Imported here: psycopg is the `postgres` extra, absent from a SQLite-only install.
         import psycopg
 
+        options: dict[str, Any] = {"options": self._options} if self._options else {}
         while not self._stop.is_set():
             try:
-                with psycopg.connect(self._dsn, autocommit=True, connect_timeout=10) as pg:
+                with psycopg.connect(
+                    self._dsn, autocommit=True, connect_timeout=10, **options
+                ) as pg:
                     pg.execute(f"LISTEN {NOTIFY_CHANNEL}")
-                    self._listening.set()
+                    with self._lock:
+                        self._generation += 1
+                        self._listening.set()
                     # Whoever registered before the LISTEN may have missed their NOTIFY.
                     self._wake_all()
                     while not self._stop.is_set():
-                        for note in pg.notifies(timeout=_POLL_FALLBACK):
-                            self._wake(note.payload)
+                        notes = pg.notifies(timeout=_POLL_FALLBACK, stop_after=1)
+                        for key in dict.fromkeys(note.payload for note in notes):
+                            self._notified(key, pg)
             except psycopg.Error:
                 # Waiters poll meanwhile (and look once now); try again shortly.
                 self._listening.clear()
@@ -164,26 +285,53 @@ Reread = Callable[[OperationRecord], OperationRecord]
 
 
 def wait_until_settled(
-    store: Store, record: OperationRecord, wait: timedelta, *, reread: Reread | None = None
+    store: Store,
+    record: OperationRecord,
+    wait: timedelta,
+    *,
+    reread: Reread | None = None,
+    since: Mark | None = None,
 ) -> OperationRecord:
     """Wait up to ``wait`` for ``record`` to leave ``in_progress``; return it as it is then.
 
     ``reread`` is how each look reads it (default ``store.get``; the claim counts the
-    replay a wait ends in).
+    replay a wait ends in, and then the listener reads for it too). ``since``: the
+    listener's :meth:`~Listener.mark` taken before ``record`` was read.
     """
     deadline = time.monotonic() + wait.total_seconds()
-    look = reread or (lambda r: store.get(r.tenant_id, r.id))
+    read = reread or (lambda r: store.get(r.tenant_id, r.id))
     listener = store.listener()
     if listener is None:  # SQLite: poll with backoff
-        return _poll(look, record, deadline, nap=pause, first=0.02, cap=lambda: 0.25)
+        return _poll(read, record, deadline, nap=pause, first=0.02, cap=lambda: 0.25)
     key = f"{record.tenant_id}:{record.id}"
-    woken = listener.register(key)
+    # Only a read that counts replays is shared: the listener's counts them.
+    woken = listener.register(key, record if reread is not None else None, since=since)
 
     def cap() -> float:
         return _POLL_CAP if listener.listening else _POLL_FALLBACK
 
+    def look(current: OperationRecord) -> OperationRecord:
+        if listener.begin_look(woken):
+            fresh = woken.delivery()
+            listener.end_look(woken)
+            if fresh is not None:
+                return fresh
+            listener.begin_look(woken)  # its read failed: read for ourselves
+        try:
+            return read(current)
+        finally:
+            listener.end_look(woken)
+
     try:
-        return _poll(look, record, deadline, nap=woken.nap, first=cap(), cap=cap)
+        return _poll(
+            look,
+            record,
+            deadline,
+            nap=woken.nap,
+            first=cap(),
+            cap=cap,
+            look_first=woken.look_first,
+        )
     finally:
         listener.unregister(key, woken)
 
@@ -196,9 +344,10 @@ def _poll(
     nap: Callable[[float], None],
     first: float,
     cap: Callable[[], float],
+    look_first: bool = True,
 ) -> OperationRecord:
     delay = first
-    current = look(record)
+    current = look(record) if look_first else record
     while current.state is State.IN_PROGRESS:
         remaining = deadline - time.monotonic()
         if remaining <= 0:

@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -54,6 +54,34 @@ def backlog(store: Store, sandbox: SandboxServer, provider: SandboxProvider, n: 
     for op_id in ids:
         make_due(store, op_id)
     return ids
+
+
+def hold(store: Store, ids: list[str]) -> None:
+    """Not due for an hour."""
+    later = datetime.now(UTC) + timedelta(hours=1)
+    with store.engine.begin() as conn:
+        conn.execute(
+            sa.update(operations).where(operations.c.id.in_(ids)).values(next_check_at=later)
+        )
+
+
+def started(proc: subprocess.Popen[str], timeout: float) -> bool:
+    """Whether ``proc`` logged ``reconciler.started`` within ``timeout``. A thread reads its
+    log lines to the end, so a full pipe never blocks it."""
+    stream = proc.stderr
+    assert stream is not None
+    decided = threading.Event()  # it started, or its log ended (it exited)
+    seen: list[str] = []
+
+    def read() -> None:
+        for line in stream:
+            if '"reconciler.started"' in line:
+                seen.append(line)
+                decided.set()
+        decided.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return decided.wait(timeout) and bool(seen)
 
 
 @contextmanager
@@ -178,16 +206,22 @@ def test_two_daemon_processes_drain_the_backlog_once_each(
     procs: list[subprocess.Popen[str]] = []
     try:
         ids = backlog(store, sandbox, sandbox_provider, BACKLOG)
+        hold(store, ids)  # not due until both daemons run, so that both take a share
         env = {k: v for k, v in os.environ.items() if not k.startswith("PAYORCH_")}
         env |= {"PAYORCH_SANDBOX_URL": sandbox.url, "PAYORCH_RECONCILE_CONCURRENCY": "8"}
-        argv = [str(PAYORCH), "reconcile", "run", "--interval", "0.5", "--batch", "25"]
-        argv += ["--metrics-addr", "off", "--database-url", postgres_url]
+        argv = [str(PAYORCH), "--log-format", "json", "reconcile", "run", "--interval", "0.5"]
+        argv += ["--batch", "25", "--metrics-addr", "off", "--database-url", postgres_url]
         for _ in range(2):
             procs.append(
                 subprocess.Popen(
-                    argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+                    argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
                 )
             )
+        for proc in procs:
+            assert started(proc, timeout=60)
+        sandbox.inject("latency", times=BACKLOG)  # checks take a while: neither drains alone
+        for op_id in ids:
+            make_due(store, op_id)
         deadline = time.monotonic() + 180
         while states(store, ids).get("succeeded", 0) < BACKLOG and time.monotonic() < deadline:
             time.sleep(0.2)  # bounded: the daemons report to the database, not to us

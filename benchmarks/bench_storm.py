@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -53,6 +54,7 @@ class SlowProvider(bx.InstantProvider):
 
 @dataclass(frozen=True, kw_only=True)
 class StormResult:
+    executors: str  # "one" (one process: flights) or "each" (one per request: the listener)
     storms: int
     size: int
     latency_ms: float
@@ -76,7 +78,7 @@ class StormResult:
 
 
 def _storm(
-    executor: Executor, tenant: str, size: int
+    executor: Callable[[], Executor], tenant: str, size: int
 ) -> list[tuple[float, float, bool, str, bool]]:
     key = f"storm-{new_id()}"
     start_line = threading.Barrier(size)
@@ -87,7 +89,7 @@ def _storm(
         start_line.wait()
         began = time.perf_counter()
         try:
-            out = executor.execute(
+            out = executor().execute(
                 tenant_id=tenant,
                 operation=bx.OPERATION,
                 idempotency_key=key,
@@ -111,17 +113,31 @@ def _storm(
 
 
 def run_storm(
-    url: str, *, tenant: str, storms: int, size: int = 100, latency: float = 0.05
+    url: str,
+    *,
+    tenant: str,
+    storms: int,
+    executors: str = "one",
+    size: int = 100,
+    latency: float = 0.05,
 ) -> StormResult:
+    """``executors="one"``: every request through one executor (one process: the losers
+    join the winner's flight); ``"each"``: an executor per request over one store (as across
+    processes: the losers wait on the store's listener)."""
     provider = SlowProvider(latency)
     store = Store.from_url(url)
-    executor = Executor(
-        store=store,
-        providers=[provider],
-        registry=default_registry(provider="instant"),
-        lease=timedelta(seconds=30),
-        owner="bench-storm",
-    )
+
+    def make() -> Executor:
+        return Executor(
+            store=store,
+            providers=[provider],
+            registry=default_registry(provider="instant"),
+            lease=timedelta(seconds=30),
+            owner="bench-storm",
+        )
+
+    executor = make()
+    per_request = make if executors == "each" else lambda: executor
     winner: list[float] = []
     total: list[float] = []
     lag: list[float] = []
@@ -139,7 +155,7 @@ def run_storm(
             lone.append((time.perf_counter() - began) * 1000)
         calls_before = provider.calls
         for _ in range(storms):
-            done = _storm(executor, tenant, size)
+            done = _storm(per_request, tenant, size)
             for began, end, replayed, op_id, ok in done:
                 unexpected += 0 if ok else 1
                 if not ok:
@@ -154,6 +170,7 @@ def run_storm(
     finally:
         store.close()
     return StormResult(
+        executors=executors,
         storms=storms,
         size=size,
         latency_ms=latency * 1000,
@@ -166,15 +183,17 @@ def run_storm(
     )
 
 
-def print_storm(console: Console, r: StormResult | None) -> None:
-    if r is None:
+def print_storm(console: Console, results: list[StormResult]) -> None:
+    if not results:
         return
+    first = results[0]
     t = Table(
-        title=f"Duplicate storm (PostgreSQL): {r.size} concurrent identical requests with wait=, "
-        f"provider answers after {r.latency_ms:.0f} ms; {r.storms} storms (ms)",
+        title=f"Duplicate storm (PostgreSQL): {first.size} concurrent identical requests with "
+        f"wait=, provider answers after {first.latency_ms:.0f} ms; {first.storms} storms (ms)",
         title_justify="left",
     )
     for col in (
+        "executors",
         "lone p50",
         "winner p50",
         "losers p50 / p99 (total)",
@@ -186,20 +205,27 @@ def print_storm(console: Console, r: StormResult | None) -> None:
     ):
         t.add_column(col, justify="right")
     p = StormResult.pct
-    lag99 = p(r.loser_lag_ms, 0.99)
-    t.add_row(
-        f"{r.lone_ms:.1f}",
-        f"{p(r.winner_ms, 0.5):.1f}",
-        f"{p(r.loser_total_ms, 0.5):.1f} / {p(r.loser_total_ms, 0.99):.1f}",
-        f"{p(r.loser_lag_ms, 0.5):.1f} / {lag99:.1f}",
-        f"{r.goal_ms:.0f}",
-        "yes" if r.loser_lag_ms and lag99 <= r.goal_ms else "NO",
-        str(r.provider_calls),
-        str(r.unexpected),
-    )
+    for r in results:
+        lag99 = p(r.loser_lag_ms, 0.99)
+        t.add_row(
+            r.executors,
+            f"{r.lone_ms:.1f}",
+            f"{p(r.winner_ms, 0.5):.1f}",
+            f"{p(r.loser_total_ms, 0.5):.1f} / {p(r.loser_total_ms, 0.99):.1f}",
+            f"{p(r.loser_lag_ms, 0.5):.1f} / {lag99:.1f}",
+            f"{r.goal_ms:.0f}",
+            "yes" if r.loser_lag_ms and lag99 <= r.goal_ms else "NO",
+            str(r.provider_calls),
+            str(r.unexpected),
+        )
     console.print(t)
     console.print(
         "  lag: from the provider's answer (the winner commits right after it) until the loser "
-        "has its answer.\n  total: from the loser's request start. provider calls should equal "
-        "the number of storms."
+        "has its answer.\n"
+        "  total: from the loser's request start. provider calls should equal the number of "
+        "storms.\n"
+        "  executors one: every request through one Executor (one process; the losers join the "
+        "winner's flight).\n"
+        "  executors each: an Executor per request on one store (as across processes; the "
+        "losers wait on the store's listener)."
     )

@@ -1,7 +1,7 @@
 """payorch benchmarks: ``execute()`` against a raw two-commit floor, and the reconciler's scan
 cost against table size. Prints figures and ratios; asserts nothing.
 
-    .venv/bin/python benchmarks/run.py            # what `make bench` runs (~9 minutes)
+    .venv/bin/python benchmarks/run.py            # what `make bench` runs (~5 minutes)
     .venv/bin/python benchmarks/run.py --quick    # smaller counts (~1.5 minutes)
 
 PostgreSQL comes from $PAYORCH_BENCH_DATABASE_URL or a throwaway cluster started with
@@ -361,11 +361,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         with bench_db.fresh_database(server, "payorch_bench_exec") as db:
             bench_postgres(db, opts, report, say)
-        storm = None
-        if EXTRA[0]:
+        storm: list[bench_storm.StormResult] = []
+        for executors in ("one", "each") if EXTRA[0] else ():
             with bench_db.fresh_database(server, "payorch_bench_storm") as db:
-                say(f"duplicate storm: {EXTRA[0]} x 100 identical requests, provider 50 ms")
-                storm = bench_storm.run_storm(db.url, tenant=TENANT, storms=EXTRA[0])
+                say(
+                    f"duplicate storm: {EXTRA[0]} x 100 identical requests, provider 50 ms, "
+                    f"executors: {executors}"
+                )
+                storm.append(
+                    bench_storm.run_storm(
+                        db.url, tenant=TENANT, storms=EXTRA[0], executors=executors
+                    )
+                )
         if opts.sizes:
             with bench_db.fresh_database(server, "payorch_bench_scan") as db:
                 report.scan = bench_scan.run_scan(

@@ -134,6 +134,10 @@ class Executor:
         ``StorageError`` before the claim can have committed; ``OutcomeNotRecorded`` once it
         may have (the operation may exist and may have been sent). Both mean "retry the
         same key"; neither permits a new one.
+
+        On PostgreSQL, a call with ``wait`` that finds an identical call (same namespace and
+        fingerprint) under way in this executor joins it and answers with its outcome
+        (:mod:`payorch.flights`) instead of claiming and waiting on the database itself.
         """
         started = time.perf_counter()
         prepared = self.registry.prepare(

@@ -391,46 +391,76 @@ def _run_sql(
     engine: Engine, sql: str, params: Mapping[str, Any], *, write: bool, every: bool
 ) -> list[tuple[Any, ...]]:
     if engine.dialect.is_async or engine.dialect.driver != "psycopg":
-
-        def run(conn: Connection) -> list[tuple[Any, ...]]:
-            result = conn.exec_driver_sql(sql, params)
-            found = result.all() if every else [result.first()]
-            return [tuple(row) for row in found if row is not None]
-
-        return run_statement(engine, run, write=write)
+        return _run_sql_via_sqlalchemy(engine, sql, params, write=write, every=every)
     error: type[Exception] = engine.dialect.loaded_dbapi.Error
     for attempt in range(MAX_TRANSACTION_ATTEMPTS):
-        try:
-            fairy = engine.raw_connection()  # the checkout listener drops a dead connection
-        except error as orig:
-            raise map_db_error(_wrapped(sql, params, orig, error, broken=True)) from orig
-        except exc.SQLAlchemyError as timeout:  # the pool's time-out
-            raise map_db_error(timeout) from timeout
+        fairy = _checkout(engine, error)
         driver: Any = fairy.driver_connection
         try:
-            driver.autocommit = True
-            cursor = driver.execute(sql, params)
-            rows = cursor.fetchall() if every else [cursor.fetchone()]
-            driver.autocommit = False
+            if not _set_autocommit(fairy, driver, True):
+                # Unusable before anything was sent: nothing to be uncertain about.
+                if attempt == 0:
+                    continue  # once, on a fresh connection
+                raise DatabaseUnavailable("database connection lost before the statement")
+            try:
+                cursor = driver.execute(sql, params)
+                rows = cursor.fetchall() if every else [cursor.fetchone()]
+            except error as orig:
+                broken = bool(driver.closed or driver.broken)
+                if broken:
+                    fairy.invalidate(orig)
+                else:
+                    _set_autocommit(fairy, driver, False)
+                failed = _wrapped(sql, params, orig, error, broken=broken)
+                if write and not _commit_refused(failed):
+                    raise _uncertain(failed) from orig
+                if not write and broken and attempt == 0:
+                    continue  # a read: nothing to be uncertain about, once on a fresh connection
+                if _is_retryable(failed) and attempt + 1 < MAX_TRANSACTION_ATTEMPTS:
+                    pause(random.uniform(0, 0.01 * 2**attempt))  # noqa: S311 - jitter only
+                    continue
+                raise map_db_error(failed) from orig
+            # The statement is done (its rows stand) whatever restoring the mode does.
+            _set_autocommit(fairy, driver, False)
             return [row for row in rows if row is not None]
-        except error as orig:
-            broken = bool(driver.closed or driver.broken)
-            if broken:
-                fairy.invalidate(orig)
-            else:
-                driver.autocommit = False
-            failed = _wrapped(sql, params, orig, error, broken=broken)
-            if write and not _commit_refused(failed):
-                raise _uncertain(failed) from orig
-            if not write and broken and attempt == 0:
-                continue  # a read: nothing to be uncertain about, once on a fresh connection
-            if _is_retryable(failed) and attempt + 1 < MAX_TRANSACTION_ATTEMPTS:
-                pause(random.uniform(0, 0.01 * 2**attempt))  # noqa: S311 - jitter only
-                continue
-            raise map_db_error(failed) from orig
         finally:
             fairy.close()  # back to the pool (or, invalidated, discarded)
     raise StorageError("statement retries exhausted")  # pragma: no cover - loop returns/raises
+
+
+def _checkout(engine: Engine, error: type[Exception]) -> Any:
+    """A pooled connection (the checkout listener drops a dead one), or the mapped error."""
+    try:
+        return engine.raw_connection()
+    except error as orig:  # no connection could be opened
+        failed = exc.DBAPIError.instance(None, None, orig, error, connection_invalidated=True)
+        raise map_db_error(failed) from orig
+    except exc.SQLAlchemyError as timeout:  # the pool's time-out
+        raise map_db_error(timeout) from timeout
+
+
+def _run_sql_via_sqlalchemy(
+    engine: Engine, sql: str, params: Mapping[str, Any], *, write: bool, every: bool
+) -> list[tuple[Any, ...]]:
+    """:func:`run_sql` where the driver connection is not at hand (the async bridge)."""
+
+    def run(conn: Connection) -> list[tuple[Any, ...]]:
+        result = conn.exec_driver_sql(sql, params)
+        found = result.all() if every else [result.first()]
+        return [tuple(row) for row in found if row is not None]
+
+    return run_statement(engine, run, write=write)
+
+
+def _set_autocommit(fairy: Any, driver: Any, value: bool) -> bool:
+    """Set the pooled connection's autocommit mode; False (and the connection invalidated,
+    so the pool discards it) if the connection can no longer take it."""
+    try:
+        driver.autocommit = value
+    except Exception as exc:  # noqa: BLE001 - psycopg.Error: closed or broken meanwhile
+        fairy.invalidate(exc)
+        return False
+    return True
 
 
 def _wrapped(

@@ -24,6 +24,9 @@ import httpx
 __all__ = ["DeadlineExceeded", "asend_with_deadline", "send_with_deadline"]
 
 
+_SLACK = 0.01  # a capped time-out that fires this close to the deadline is the deadline's
+
+
 class DeadlineExceeded(httpx.TimeoutException):
     """The whole call outlived its deadline; ``possibly_sent``: writing may have begun."""
 
@@ -245,7 +248,12 @@ def send_with_deadline(
         if expired is not None:
             raise expired
     if call.response is None:
-        raise call.error or RuntimeError("the provider call ended without a result")
+        error = call.error
+        if isinstance(error, httpx.TimeoutException) and time.monotonic() >= deadline - _SLACK:
+            # The worker's time-outs were capped to what was left: the deadline ended it,
+            # just before the caller's own wait did.
+            raise call.expired() from error
+        raise error or RuntimeError("the provider call ended without a result")
     return call.response
 
 

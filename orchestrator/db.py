@@ -291,6 +291,28 @@ def _uncertain(err: exc.SQLAlchemyError) -> CommitUncertain:
     return CommitUncertain(f"the database did not confirm a commit (it may have happened): {cause}")
 
 
+def _judge(
+    err: exc.SQLAlchemyError, *, may_have_committed: bool, again_if_broken: bool, attempt: int
+) -> None:
+    """What a failed transaction or statement means, for every way payorch runs one: raises
+    ``CommitUncertain`` if it may have committed without the server's verdict, returns (run
+    it again) for a broken connection when allowed or a retryable SQLSTATE (after jitter),
+    and raises the mapped ``StorageError`` otherwise."""
+    if may_have_committed and not _commit_refused(err):
+        raise _uncertain(err) from err
+    if again_if_broken and _broken(err):
+        return
+    if (
+        isinstance(err, exc.DBAPIError)
+        and _is_retryable(err)
+        and attempt + 1 < MAX_TRANSACTION_ATTEMPTS
+    ):
+        # On an event loop (the async API) this awaits instead of blocking the loop.
+        pause(random.uniform(0, 0.01 * 2**attempt))  # noqa: S311 - jitter only
+        return
+    raise map_db_error(err) from err
+
+
 def run_in_transaction(engine: Engine, fn: Callable[[Connection], T], *, write: bool = True) -> T:
     """Run ``fn`` in one transaction, again from the start on serialization failure/deadlock.
 
@@ -314,20 +336,14 @@ def run_in_transaction(engine: Engine, fn: Callable[[Connection], T], *, write: 
                     txn.commit()
                 return result
         except exc.SQLAlchemyError as err:
-            if committing and write and not _commit_refused(err):
-                raise _uncertain(err) from err
-            if _broken(err) and fresh_retry:
-                fresh_retry = False  # the pool has dropped it; once, so a dead server fails
-                continue
-            if (
-                isinstance(err, exc.DBAPIError)
-                and _is_retryable(err)
-                and attempt + 1 < MAX_TRANSACTION_ATTEMPTS
-            ):
-                # On an event loop (the async API) this awaits instead of blocking the loop.
-                pause(random.uniform(0, 0.01 * 2**attempt))  # noqa: S311 - jitter only
-                continue
-            raise map_db_error(err) from err
+            _judge(
+                err,
+                may_have_committed=committing and write,
+                again_if_broken=fresh_retry,
+                attempt=attempt,
+            )
+            # The pool has dropped a broken one; once only, so a dead server fails.
+            fresh_retry = fresh_retry and not _broken(err)
     raise StorageError("transaction retries exhausted")  # pragma: no cover - loop returns/raises
 
 
@@ -349,18 +365,13 @@ def run_statement(engine: Engine, fn: Callable[[Connection], T], *, write: bool 
                 sent = True
                 return fn(conn)
         except exc.SQLAlchemyError as err:
-            if sent and write and not _commit_refused(err):
-                raise _uncertain(err) from err
-            if sent and not write and _broken(err) and attempt == 0:
-                continue  # a read: nothing to be uncertain about, once on a fresh connection
-            if (
-                isinstance(err, exc.DBAPIError)
-                and _is_retryable(err)
-                and attempt + 1 < MAX_TRANSACTION_ATTEMPTS
-            ):
-                pause(random.uniform(0, 0.01 * 2**attempt))  # noqa: S311 - jitter only
-                continue
-            raise map_db_error(err) from err
+            # A broken read: nothing to be uncertain about, once more on a fresh connection.
+            _judge(
+                err,
+                may_have_committed=sent and write,
+                again_if_broken=sent and not write and attempt == 0,
+                attempt=attempt,
+            )
     raise StorageError("statement retries exhausted")  # pragma: no cover - loop returns/raises
 
 
@@ -411,15 +422,13 @@ def _run_sql(
                     fairy.invalidate(orig)
                 else:
                     _set_autocommit(fairy, driver, False)
-                failed = _wrapped(sql, params, orig, error, broken=broken)
-                if write and not _commit_refused(failed):
-                    raise _uncertain(failed) from orig
-                if not write and broken and attempt == 0:
-                    continue  # a read: nothing to be uncertain about, once on a fresh connection
-                if _is_retryable(failed) and attempt + 1 < MAX_TRANSACTION_ATTEMPTS:
-                    pause(random.uniform(0, 0.01 * 2**attempt))  # noqa: S311 - jitter only
-                    continue
-                raise map_db_error(failed) from orig
+                _judge(
+                    _wrapped(sql, params, orig, error, broken=broken),
+                    may_have_committed=write,
+                    again_if_broken=not write and attempt == 0,
+                    attempt=attempt,
+                )
+                continue
             # The statement is done (its rows stand) whatever restoring the mode does.
             _set_autocommit(fairy, driver, False)
             return [row for row in rows if row is not None]

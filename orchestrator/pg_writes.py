@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from .core import State, downstream_key
+from .core import downstream_key
 from .db import run_sql, run_sql_rows
 from .errors import CorruptRecord, StaleVersion, StorageError
 from .records import OPERATION_COLUMNS, NewOperation, OperationRecord
@@ -109,42 +109,27 @@ def transition(
     engine: Engine,
     cache: dict[tuple[Any, ...], str],
     record: OperationRecord,
-    to_state: State,
     *,
     shape: tuple[Any, ...],
-    plain: Mapping[str, Any],
+    params: Mapping[str, Any],
     event: Mapping[str, Any],
-    lease: timedelta | None,
-    next_check_in: timedelta | None,
-    attempts_delta: int,
-    checks_delta: int,
-    channel: str,
 ) -> OperationRecord:
     """``pg_transition_sql(shape)`` (built once per shape, kept in ``cache``): the fenced
-    UPDATE, its event (``event``: id, kind, actor, detail) and the NOTIFY; StaleVersion
-    if the version moved."""
+    UPDATE with the store's ``params``, its event (``event``: id, kind, actor, detail) and
+    the NOTIFY; StaleVersion if the version moved."""
     sql = cache.get(shape)
     if sql is None:
         sql = cache[shape] = pg_transition_sql(shape)
-    params: dict[str, Any] = {f"u_{k}": v for k, v in plain.items()}
-    if "response" in plain:
-        params["u_response"] = json_param(plain["response"])
-    params.update(
-        u_state=to_state.value,
-        w_tenant_id=record.tenant_id,
-        w_id=record.id,
-        w_version=record.version,
-        u_lease_s=lease.total_seconds() if lease is not None else None,
-        u_next_s=next_check_in.total_seconds() if next_check_in is not None else None,
-        u_attempts=attempts_delta,
-        u_checks=checks_delta,
-        u_channel=channel,
-        e_id=event["id"],
-        e_kind=event["kind"],
-        e_actor=event["actor"],
-        e_from_state=record.state.value,
-        e_detail=json_param(event["detail"]),
-    )
+    params = {
+        **params,
+        "e_id": event["id"],
+        "e_kind": event["kind"],
+        "e_actor": event["actor"],
+        "e_from_state": record.state.value,
+        "e_detail": json_param(event["detail"]),
+    }
+    if "u_response" in params:  # SQL text: JSON as text, as SQLAlchemy's JSON type would
+        params["u_response"] = json_param(params["u_response"])
     row = run_sql(engine, sql, params)
     if row is None:
         raise StaleVersion(

@@ -394,27 +394,7 @@ class Store(Reads, WorkQueue):
             bool(checks_delta),
             notify,
         )
-        if self.is_postgres and guard is None and also is None:
-            event = {"id": new_id(), "kind": kind, "actor": actor, "detail": detail}
-            return pg_writes.transition(
-                self.engine,
-                self._pg_updates,
-                record,
-                to_state,
-                shape=shape,
-                plain=plain,
-                event=event,
-                lease=lease,
-                next_check_in=next_check_in,
-                attempts_delta=attempts_delta,
-                checks_delta=checks_delta,
-                channel=NOTIFY_CHANNEL,
-            )
-        stmt = self._updates.get(shape) if guard is None else None
-        if stmt is None:
-            stmt = build_update(shape, guard)
-            if guard is None:
-                self._updates[shape] = stmt
+        # The parameters of both forms of the write (pg_transition_sql and build_update).
         params: dict[str, Any] = {f"u_{k}": v for k, v in plain.items()}
         params.update(
             u_state=to_state.value,
@@ -427,6 +407,16 @@ class Store(Reads, WorkQueue):
             u_checks=checks_delta,
             u_channel=NOTIFY_CHANNEL,
         )
+        if self.is_postgres and guard is None and also is None:
+            event = {"id": new_id(), "kind": kind, "actor": actor, "detail": detail}
+            return pg_writes.transition(
+                self.engine, self._pg_updates, record, shape=shape, params=params, event=event
+            )
+        stmt = self._updates.get(shape) if guard is None else None
+        if stmt is None:
+            stmt = build_update(shape, guard)
+            if guard is None:
+                self._updates[shape] = stmt
 
         def txn(conn: Connection) -> OperationRecord:
             row = conn.execute(stmt, params).mappings().first()

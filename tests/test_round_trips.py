@@ -12,9 +12,7 @@ bounded handful of statements, and makes one effect.
 
 from __future__ import annotations
 
-import contextlib
 import select
-import socket
 import struct
 import threading
 from collections import Counter
@@ -28,6 +26,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 from conftest import RecordingSleep
+from pgproxy import LoopbackProxy
 
 from payorch import waiting
 from payorch.core import State
@@ -43,21 +42,12 @@ _SSL_REQUEST = 80877103
 _GSSENC_REQUEST = 80877104
 
 
-class CountingProxy:
+class CountingProxy(LoopbackProxy):
     """Forwards 127.0.0.1 connections to PostgreSQL; counts the client's round trips."""
 
     def __init__(self, host: str, port: int) -> None:
-        self._target = (host, port)
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(0.2)
-        self.port: int = self._listener.getsockname()[1]
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._socks: list[socket.socket] = []
         self.messages: Counter[bytes] = Counter()  # frontend message types, after start-up
-        self.connections = 0
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
+        super().__init__(host, port)
 
     @property
     def round_trips(self) -> int:
@@ -68,51 +58,10 @@ class CountingProxy:
         with self._lock:
             self.messages.clear()
 
-    def url(self, db_url: str) -> str:
-        parsed = sa.make_url(db_url).set(host="127.0.0.1", port=self.port)
-        return parsed.render_as_string(hide_password=False)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._listener.close()
-        for s in self._socks:
-            with contextlib.suppress(OSError):
-                s.close()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            server = socket.create_connection(self._target, timeout=5)
-            with self._lock:
-                self.connections += 1
-                self._socks += [client, server]
-            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
-
-    def _pump(self, client: socket.socket, server: socket.socket) -> None:
-        pending = b""
-        started = False
-        socks = [client, server]
-        while not self._stop.is_set():
-            readable, _, _ = select.select(socks, [], [], 0.2)
-            for sock in readable:
-                try:
-                    data = sock.recv(65536)
-                except OSError:
-                    data = b""
-                if not data:
-                    for s in socks:
-                        with contextlib.suppress(OSError):
-                            s.close()
-                    return
-                other = server if sock is client else client
-                if sock is client:
-                    pending, started = self._count(pending + data, started)
-                with contextlib.suppress(OSError):
-                    other.sendall(data)
+    def on_client(self, flow: dict[str, Any], data: bytes) -> None:
+        flow["pending"], flow["started"] = self._count(
+            flow.get("pending", b"") + data, flow.get("started", False)
+        )
 
     def _count(self, buf: bytes, started: bool) -> tuple[bytes, bool]:
         """Count the complete messages in ``buf``; return what is left and the phase."""

@@ -10,10 +10,6 @@ recorded.
 
 from __future__ import annotations
 
-import contextlib
-import selectors
-import socket
-import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -21,6 +17,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from conftest import FAST_TIMEOUT, RecordingSleep, age, make_due
+from pgproxy import LoopbackProxy
 from sqlalchemy.engine import Connection
 
 from payorch.core import State
@@ -43,26 +40,14 @@ from payorch.store import Store
 PAYMENT = {"amount": 1500, "currency": "EUR", "customer": "cus_9"}
 
 
-class PgProxy:
+class PgProxy(LoopbackProxy):
     """Forwards bytes between clients and PostgreSQL on 127.0.0.1; faults on demand."""
 
     def __init__(self, host: str, port: int) -> None:
-        self._target = (host, port)
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(0.2)
-        self.port: int = self._listener.getsockname()[1]
-        self._lock = threading.Lock()
         self._drop_commit_ack = False
         self._down = False
-        self._pairs: list[tuple[socket.socket, socket.socket]] = []
-        self._stop = threading.Event()
         self.commit_acks_dropped = 0
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    def url(self, db_url: str) -> str:
-        parsed = sa.make_url(db_url).set(host="127.0.0.1", port=self.port)
-        return parsed.render_as_string(hide_password=False)
+        super().__init__(host, port)
 
     def drop_next_commit_ack(self) -> None:
         """The next statement (a COMMIT, or a write in autocommit: its own commit) reaches
@@ -74,83 +59,35 @@ class PgProxy:
         """Cut every connection and refuse new ones, as a dead server would."""
         with self._lock:
             self._down = True
-            pairs, self._pairs = self._pairs, []
-        for pair in pairs:
-            _close(*pair)
+        self.cut_all()
 
     def heal(self) -> None:
         with self._lock:
             self._down = False
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._listener.close()
-        self.go_down()
+    def refusing(self) -> bool:
+        with self._lock:
+            return self._down
 
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            with self._lock:
-                down = self._down
-            if down:
-                _close(client)
-                continue
-            server = socket.create_connection(self._target, timeout=5)
-            with self._lock:
-                self._pairs.append((client, server))
-            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
+    def on_client(self, flow: dict[str, Any], data: bytes) -> None:
+        with self._lock:
+            if self._drop_commit_ack and _ends_statement(data):
+                self._drop_commit_ack = False
+                flow["awaiting_ack"] = True
 
-    def _pump(self, client: socket.socket, server: socket.socket) -> None:
-        awaiting_ack = False
-        with selectors.DefaultSelector() as sel:
-            sel.register(client, selectors.EVENT_READ)
-            sel.register(server, selectors.EVENT_READ)
-            while not self._stop.is_set():
-                for key, _ in sel.select(timeout=0.2):
-                    sock = key.fileobj
-                    try:
-                        data = sock.recv(65536)  # type: ignore[union-attr]
-                    except OSError:
-                        data = b""
-                    if not data:
-                        _close(client, server)
-                        return
-                    if sock is client:
-                        with self._lock:
-                            if self._drop_commit_ack and _ends_statement(data):
-                                self._drop_commit_ack = False
-                                awaiting_ack = True
-                        _send(server, data)
-                    elif awaiting_ack:
-                        # The server answered the COMMIT: it is durable. Drop the answer, cut.
-                        with self._lock:
-                            self.commit_acks_dropped += 1
-                        _close(client, server)
-                        return
-                    else:
-                        _send(client, data)
+    def on_server(self, flow: dict[str, Any], data: bytes) -> bool:
+        if not flow.get("awaiting_ack"):
+            return True
+        # The server answered the COMMIT: it is durable. Drop the answer, cut.
+        with self._lock:
+            self.commit_acks_dropped += 1
+        return False
 
 
 def _ends_statement(data: bytes) -> bool:
     """Whether client bytes may commit: a COMMIT, or an extended-protocol batch closed by
     Sync (where a statement in autocommit commits)."""
     return b"COMMIT\x00" in data or data.endswith(b"S\x00\x00\x00\x04")
-
-
-def _send(sock: socket.socket, data: bytes) -> None:
-    with contextlib.suppress(OSError):  # the other side is gone; its recv ends the pump
-        sock.sendall(data)
-
-
-def _close(*socks: socket.socket) -> None:
-    for s in socks:
-        with contextlib.suppress(OSError):  # already shut down by the peer
-            s.shutdown(socket.SHUT_RDWR)
-        s.close()
 
 
 @pytest.fixture

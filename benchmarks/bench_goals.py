@@ -74,9 +74,12 @@ def print_goals(
     for d in drained:
         limit = 60.0 if d.daemons == 1 else 20.0
         full = d.operations >= 10000
+        bound = ""
+        if d.cpu_bound_s is not None:
+            bound = f"; the CPU allows no less than {d.cpu_bound_s:.1f} s"
         goal(
             f"drain {d.operations} ops, {d.daemons} daemon(s): {d.seconds:.1f} s "
-            f"(goal at 10,000: <= {limit:.0f} s{'' if full else '; not the full count'})",
+            f"(goal at 10,000: <= {limit:.0f} s{'' if full else '; not the full count'}{bound})",
             (d.seconds <= limit and d.double_checked == 0) if full else None,
         )
         goal(

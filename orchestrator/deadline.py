@@ -63,7 +63,11 @@ class _Call:
         self.request = request
         self.deadline = deadline
         self.lock = threading.Lock()
-        self.done = threading.Event()
+        # Held until the worker has its result: the caller waits by acquiring it (a bare
+        # lock: an Event's condition costs more than the wait it stands for).
+        self.done = threading.Lock()
+        self.done.acquire()
+        self.finished = False
         self.abandoned = False
         self.writing = False
         self.response: httpx.Response | None = None
@@ -120,12 +124,13 @@ class _Call:
             result = (None, exc)
         with self.lock:  # with the result, under the lock give_up() takes
             self.response, self.error = result
-            self.done.set()
+            self.finished = True
+        self.done.release()
 
     def give_up(self) -> DeadlineExceeded | None:
         """At the deadline: the exception to raise, or None if the worker just finished."""
         with self.lock:
-            if self.done.is_set():
+            if self.finished:
                 return None
             self.abandoned = True
             return self.expired()
@@ -188,12 +193,12 @@ class _Workers:
             if len(self._idle) >= self._keep:
                 return None
             self._idle.append(worker)
-        if not worker.handed.wait(self._idle_for):
+        if not worker.handed.acquire(timeout=self._idle_for):
             with self._lock:
                 if worker in self._idle:
                     self._idle.remove(worker)
                     return None
-            worker.handed.wait()  # taken from the list just now: its job is on the way
+            worker.handed.acquire()  # taken from the list just now: its job is on the way
         return worker.take()
 
     def forget(self) -> None:
@@ -205,15 +210,16 @@ class _Workers:
 class _Worker:
     def __init__(self, workers: _Workers) -> None:
         self._workers = workers
-        self.handed = threading.Event()
+        # Held while the worker has no job; give() releases it (a bare lock, as above).
+        self.handed = threading.Lock()
+        self.handed.acquire()
         self._job: Callable[[], None] | None = None
 
     def give(self, job: Callable[[], None]) -> None:
         self._job = job
-        self.handed.set()
+        self.handed.release()
 
     def take(self) -> Callable[[], None] | None:
-        self.handed.clear()
         job, self._job = self._job, None
         return job
 
@@ -243,7 +249,7 @@ def send_with_deadline(
     """
     call = _Call(client, request, deadline)
     _WORKERS.run(call.run)
-    if not call.done.wait(max(0.0, deadline - time.monotonic())):
+    if not call.done.acquire(timeout=max(0.0, deadline - time.monotonic())):
         expired = call.give_up()
         if expired is not None:
             raise expired

@@ -331,3 +331,56 @@ def test_a_transport_that_announces_nothing_is_possibly_sent_at_the_deadline() -
     finally:
         release.set()
     assert caught.value.possibly_sent is True
+
+
+# -- the kept worker threads ---------------------------------------------------------------
+
+
+class _Watched(list):  # type: ignore[type-arg]
+    """The idle list of a ``_Workers``: says when a worker has parked itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parked = threading.Semaphore(0)
+
+    def append(self, item: object) -> None:
+        super().append(item)
+        self.parked.release()
+
+
+def _job(ran: list[threading.Thread], finished: threading.Event) -> Callable[[], None]:
+    def job() -> None:
+        ran.append(threading.current_thread())
+        finished.set()
+
+    return job
+
+
+def test_an_idle_worker_takes_the_next_call() -> None:
+    from payorch.deadline import _Workers
+
+    workers = _Workers(keep=1, idle_for=60)
+    idle = workers._idle = _Watched()
+    ran: list[threading.Thread] = []
+    first, second = threading.Event(), threading.Event()
+    workers.run(_job(ran, first))
+    assert first.wait(5)
+    assert idle.parked.acquire(timeout=5)  # the worker is idle now
+    workers.run(_job(ran, second))
+    assert second.wait(5)
+    assert ran[0] is ran[1]  # the same thread ran both: no thread started for the second
+    assert idle.parked.acquire(timeout=5)
+    assert list(idle) != []  # parked again, ready for a third
+
+
+def test_workers_beyond_keep_or_idle_too_long_end() -> None:
+    from payorch.deadline import _Workers
+
+    for workers in (_Workers(keep=0, idle_for=60), _Workers(keep=1, idle_for=0.01)):
+        ran: list[threading.Thread] = []
+        finished = threading.Event()
+        workers.run(_job(ran, finished))
+        assert finished.wait(5)
+        ran[0].join(5)  # keep=0: at once; idle_for: once its idle wait times out
+        assert not ran[0].is_alive()
+        assert workers._idle == []

@@ -81,16 +81,17 @@ def reread(engine: Engine, record: OperationRecord, replays: int = 1) -> Operati
     """``PG_REREAD``: the operation now, ``replays`` counted if it is terminal."""
     params = _reread_params(record, replays)
     # A lost answer only leaves a replay count in doubt: nothing to tell the client.
-    row = run_sql(engine, PG_REREAD, params, write=False)
-    if row is None:  # pragma: no cover - the operation is never deleted, only reaped
-        raise StorageError(f"operation {record.id} vanished")
-    return OperationRecord.from_pg(row[1:])
+    return _reread_record(run_sql(engine, PG_REREAD, params, write=False), record)
 
 
 def reread_for(driver_connection: Any, record: OperationRecord, waiters: int) -> OperationRecord:
     """``PG_REREAD`` on a psycopg connection in autocommit (the waiters' listener), for
     ``waiters`` requests at once: that many replays are counted if it is terminal."""
     row = driver_connection.execute(PG_REREAD, _reread_params(record, waiters)).fetchone()
+    return _reread_record(row, record)
+
+
+def _reread_record(row: tuple[Any, ...] | None, record: OperationRecord) -> OperationRecord:
     if row is None:  # pragma: no cover - the operation is never deleted, only reaped
         raise StorageError(f"operation {record.id} vanished")
     return OperationRecord.from_pg(row[1:])

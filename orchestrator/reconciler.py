@@ -157,11 +157,7 @@ class Reconciler:
         with ThreadPoolExecutor(self.concurrency, thread_name_prefix="payorch-check") as pool:
             while True:
                 if stop is not None and stop.is_set():
-                    # Graceful stop: checks in flight finish; the rest go back untouched
-                    # instead of sitting on leases.
-                    while pending:
-                        self.store.release(pending.popleft()[0])
-                        report.released += 1
+                    self._hand_back(pending, report)  # checks in flight finish
                 elif more and len(pending) < self.concurrency:
                     lease_more()  # while the running checks wait on their providers
                 while pending and running < self.concurrency:
@@ -191,15 +187,22 @@ class Reconciler:
         async bridge, where database I/O must stay in the caller's greenlet."""
         while pending:
             if stop is not None and stop.is_set():
-                while pending:
-                    self.store.release(pending.popleft()[0])
-                    report.released += 1
+                self._hand_back(pending, report)
                 break
             record, now, claimed_at = pending.popleft()
             tick(self._check_leased(record, now, claimed_at))
             if not pending and more():
                 lease_more()
         return report
+
+    def _hand_back(
+        self, pending: deque[tuple[OperationRecord, datetime, float]], report: ReconcileReport
+    ) -> None:
+        """Graceful stop: leased operations not yet checked go back untouched instead of
+        sitting on leases."""
+        while pending:
+            self.store.release(pending.popleft()[0])
+            report.released += 1
 
     def _check_leased(self, record: OperationRecord, now: datetime, claimed_at: float) -> str:
         """One check of a claimed operation, renewing its lease first if the wait ate it."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from .bridge import bridged, pause, wait_for
 from .core import State
+from .errors import PayorchError
 from .records import OperationRecord
 
 if TYPE_CHECKING:
@@ -243,6 +244,10 @@ class Listener:
         try:
             assert self._reader is not None and serve[0].record is not None
             fresh = self._reader(pg, serve[0].record, len(serve))
+        except PayorchError:
+            # A row that cannot be read (or is gone): each waiter reads it and gets the
+            # error itself; the listener goes on. A connection error goes up: reconnect.
+            pass
         finally:  # None (the read failed): each waiter reads for itself
             for event in serve:
                 event.deliver(fresh)

@@ -57,30 +57,15 @@ class WorkQueue:
         take disjoint batches; the lease then keeps others off until it expires.
         ``tenant_ids`` limits the scan to those tenants (a daemon per shard or per tenant).
 
-        A picked row that cannot be read (:class:`CorruptRecord`) is quarantined in the same
-        transaction: flagged ``needs_attention``, a ``quarantined`` event, not due again for
-        ``quarantine``; it is left out of the batch (``on_quarantine`` hears of it) and the
-        rest of the batch is leased as usual.
+        A picked row that cannot be read (:class:`CorruptRecord`) is quarantined (in the
+        lease's transaction on SQLite; on PostgreSQL right after the one-statement lease,
+        fenced by that lease): flagged ``needs_attention``, a ``quarantined`` event, not due
+        again for ``quarantine``; it is left out of the batch (``on_quarantine`` hears of it)
+        and the rest of the batch is leased as usual.
         """
         t = operations.c
         lease_s = lease.total_seconds()
         corrupt: list[CorruptRecord] = []
-        if self.is_postgres:
-            # One statement picks and leases the batch (one round trip, no per-row UPDATE);
-            # an unreadable row is set aside after it, fenced by the lease just taken.
-            batch, unreadable = pg_writes.claim_due(
-                self.engine, owner=owner, lease_s=lease_s, limit=limit, tenant_ids=tenant_ids
-            )
-            for exc, where in unreadable:
-                quarantine_one = functools.partial(
-                    self._quarantine, exc=exc, where=where, owner=owner, hold=quarantine
-                )
-                run_in_transaction(self.engine, quarantine_one)
-                corrupt.append(exc)
-            if on_quarantine is not None:
-                for exc in corrupt:
-                    on_quarantine(exc)
-            return batch
 
         def txn(conn: Connection) -> list[tuple[OperationRecord, datetime]]:
             pick = (
@@ -94,9 +79,7 @@ class WorkQueue:
                 .order_by(t.next_check_at)
                 .limit(limit)
             )
-            if self.is_postgres:
-                pick = pick.with_for_update(skip_locked=True)
-            picked = conn.execute(pick).all()
+            picked = conn.execute(pick).all()  # SQLite: one writer, nothing to skip
             out: list[tuple[OperationRecord, datetime]] = []
             corrupt.clear()  # a retried transaction starts over
             for tenant_id, op_id, version in picked:
@@ -114,7 +97,20 @@ class WorkQueue:
                     out.append(leased)
             return out
 
-        batch = run_in_transaction(self.engine, txn)
+        if self.is_postgres:
+            # One statement picks and leases the batch (one round trip, no per-row UPDATE);
+            # an unreadable row is set aside after it, fenced by the lease just taken.
+            batch, unreadable = pg_writes.claim_due(
+                self.engine, owner=owner, lease_s=lease_s, limit=limit, tenant_ids=tenant_ids
+            )
+            for exc, where in unreadable:
+                quarantine_one = functools.partial(
+                    self._quarantine, exc=exc, where=where, owner=owner, hold=quarantine
+                )
+                run_in_transaction(self.engine, quarantine_one)
+                corrupt.append(exc)
+        else:
+            batch = run_in_transaction(self.engine, txn)
         if on_quarantine is not None:
             for exc in corrupt:
                 on_quarantine(exc)

@@ -22,7 +22,7 @@ from payorch.executor import Executor
 from payorch.http import http_answer
 from payorch.operations import default_registry
 from payorch.reconciler import Reconciler, ReconcilerPolicy
-from payorch.records import EventRecord, OperationRecord
+from payorch.records import EventRecord, NewOperation, OperationRecord
 from payorch.store import QUARANTINE_EVENT, Store
 from payorch.tables import db_now_plus, events, operations
 
@@ -346,3 +346,69 @@ def test_bytes_that_are_not_utf8_are_quarantined_not_a_stalled_pass(store: Store
             assert store.get("shop", op.id).state is State.FAILED_FINAL
     assert raw(store, bad.id)[0] is True
     assert kinds(store, bad.id) == ["claimed", QUARANTINE_EVENT]
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+def test_a_row_the_listener_cannot_read_leaves_it_serving_other_waiters(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The listener reads a NOTIFYed operation for its waiters. A row it cannot read is the
+    waiter's typed error (it reads for itself), and the listener goes on serving others."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from payorch import pg_writes
+
+    reads: list[str] = []
+    real = pg_writes.reread_for
+
+    def counted(conn: object, record: OperationRecord, waiters: int) -> OperationRecord:
+        reads.append(record.id)
+        return real(conn, record, waiters)
+
+    monkeypatch.setattr(pg_writes, "reread_for", counted)
+    listener = store.listener()
+    assert listener is not None and listener.start(timeout=30)
+
+    def new(key: str) -> NewOperation:
+        return REGISTRY.prepare(
+            tenant_id="shop", operation="payment.create", idempotency_key=key, request=PAYMENT
+        ).new
+
+    def wait_on(key: str) -> OperationRecord:
+        wait = timedelta(seconds=60)
+        lease = timedelta(seconds=60)
+        return store.claim(
+            new(key), owner="late", lease=lease, possibly_sent=True, wait=wait
+        ).operation
+
+    broken, fine = (
+        store.claim(
+            new(key), owner="worker", lease=timedelta(seconds=60), possibly_sent=True
+        ).operation
+        for key in ("k-bad", "k-ok")
+    )
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(wait_on, "k-bad")
+        assert listener.wait_for_waiters(1, timeout=30)
+        corrupt(store, broken.id, "response", "[1, 2]")
+        with store.engine.begin() as conn:  # the NOTIFY a write of it would send
+            notify = sa.text("SELECT pg_notify('payorch_operations', :k)")
+            conn.execute(notify, {"k": f"shop:{broken.id}"})
+        with pytest.raises(CorruptRecord) as caught:
+            first.result(timeout=60)
+        assert caught.value.operation_id == broken.id
+        assert reads == [broken.id]
+
+        second = pool.submit(wait_on, "k-ok")
+        assert listener.wait_for_waiters(1, timeout=30)
+        store.transition(
+            fine,
+            State.SUCCEEDED,
+            kind="provider_answer",
+            actor="worker",
+            provider_reference="eff_ok",
+            response={"status": "succeeded", "http_status": 200},
+        )
+        answer = second.result(timeout=60)
+    assert (answer.id, answer.state) == (fine.id, State.SUCCEEDED)
+    assert reads == [broken.id, fine.id]  # the listener read it: still serving

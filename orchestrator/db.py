@@ -19,6 +19,7 @@ import random
 import re
 import select
 import sqlite3
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -167,11 +168,21 @@ def _configure(engine: Engine, schema: str | None) -> None:
 
 
 def _configure_postgres(engine: Engine) -> None:
+    sync = not engine.dialect.is_async
+
     @event.listens_for(engine, "checkout")
     def _on_checkout(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
         # The pool then discards it and checks out (or opens) another.
         if not _pg_alive(dbapi_conn):
             raise exc.DisconnectionError("pooled PostgreSQL connection found closed")
+        # run_sql leaves its connections in autocommit, the mode its statements need, so
+        # the hot path switches no mode per statement; every other user gets the driver's
+        # transactions back, as SQLAlchemy expects them.
+        if sync and dbapi_conn.autocommit and not getattr(_RAW, "checkout", False):
+            try:
+                dbapi_conn.autocommit = False
+            except Exception as err:  # psycopg.Error: closed or broken meanwhile
+                raise exc.DisconnectionError(f"pooled PostgreSQL connection broke: {err}") from err
 
 
 def _pg_alive(dbapi_conn: Any) -> bool:
@@ -408,7 +419,9 @@ def _run_sql(
         fairy = _checkout(engine, error)
         driver: Any = fairy.driver_connection
         try:
-            if not _set_autocommit(fairy, driver, True):
+            # The connection stays in autocommit when it goes back: the next statement run
+            # here needs no switch (the checkout listener switches it back for others).
+            if not driver.autocommit and not _set_autocommit(fairy, driver, True):
                 # Unusable before anything was sent: nothing to be uncertain about.
                 if attempt == 0:
                     continue  # once, on a fresh connection
@@ -420,8 +433,6 @@ def _run_sql(
                 broken = bool(driver.closed or driver.broken)
                 if broken:
                     fairy.invalidate(orig)
-                else:
-                    _set_autocommit(fairy, driver, False)
                 _judge(
                     _wrapped(sql, params, orig, error, broken=broken),
                     may_have_committed=write,
@@ -429,16 +440,19 @@ def _run_sql(
                     attempt=attempt,
                 )
                 continue
-            # The statement is done (its rows stand) whatever restoring the mode does.
-            _set_autocommit(fairy, driver, False)
             return [row for row in rows if row is not None]
         finally:
             fairy.close()  # back to the pool (or, invalidated, discarded)
     raise StorageError("statement retries exhausted")  # pragma: no cover - loop returns/raises
 
 
+# Set while run_sql checks a connection out: the checkout listener then leaves autocommit on.
+_RAW = threading.local()
+
+
 def _checkout(engine: Engine, error: type[Exception]) -> Any:
     """A pooled connection (the checkout listener drops a dead one), or the mapped error."""
+    _RAW.checkout = True
     try:
         return engine.raw_connection()
     except error as orig:  # no connection could be opened
@@ -446,6 +460,8 @@ def _checkout(engine: Engine, error: type[Exception]) -> Any:
         raise map_db_error(failed) from orig
     except exc.SQLAlchemyError as timeout:  # the pool's time-out
         raise map_db_error(timeout) from timeout
+    finally:
+        _RAW.checkout = False
 
 
 def _run_sql_via_sqlalchemy(

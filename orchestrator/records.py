@@ -206,7 +206,11 @@ class OperationRecord:
                 problem = f"state: {values['state']!r:.40} is not a state"
         if problem is not None:
             raise _corrupt(values, values["id"], problem)
-        return cls(**values)
+        # Every field checked above: fill the frozen instance directly, as its generated
+        # __init__ would (which pays object.__setattr__ per field, on every row read).
+        record = object.__new__(cls)
+        record.__dict__.update(values)
+        return record
 
     @property
     def terminal(self) -> bool:

@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from payorch.db import create_engine, normalise_url, run_in_transaction
+from payorch.db import create_engine, normalise_url, run_in_transaction, run_sql
 from payorch.errors import DatabaseUnavailable, InvalidRequest, StorageError
 from payorch.store import Store
 
@@ -77,3 +77,30 @@ def test_unreachable_database_is_database_unavailable() -> None:
 def test_unsupported_urls_are_refused(url: str) -> None:
     with pytest.raises(InvalidRequest):
         normalise_url(url)
+
+
+def test_a_transaction_after_a_hot_statement_is_still_one_transaction(postgres_url: str) -> None:
+    """run_sql leaves its pooled connection in autocommit; the next SQLAlchemy transaction
+    on that very connection must still be all or nothing."""
+    engine = create_engine(postgres_url, pool_size=1, max_overflow=0)
+    try:
+        assert run_sql(engine, "SELECT 1", {}, write=False) == (1,)
+        with engine.connect() as conn:
+            # A session's own table: the pool has one connection, so every statement sees it.
+            conn.exec_driver_sql("CREATE TEMP TABLE hot_scratch (n integer)")
+            conn.commit()
+
+        def txn(conn: Connection) -> None:
+            conn.exec_driver_sql("INSERT INTO hot_scratch VALUES (1)")
+            raise sa.exc.IntegrityError("INSERT ...", {}, _DriverError("23505"))
+
+        assert run_sql(engine, "SELECT 2", {}, write=False) == (2,)
+        with pytest.raises(StorageError):
+            run_in_transaction(engine, txn)
+        assert run_sql(engine, "SELECT count(*) FROM hot_scratch", {}, write=False) == (0,)
+        with engine.connect() as conn:  # and the connection reads with a transaction again
+            assert conn.exec_driver_sql("SELECT count(*) FROM hot_scratch").scalar() == 0
+            assert conn.in_transaction()
+            assert conn.connection.driver_connection.autocommit is False
+    finally:
+        engine.dispose()

@@ -415,12 +415,14 @@ def _run_sql(
     if engine.dialect.is_async or engine.dialect.driver != "psycopg":
         return _run_sql_via_sqlalchemy(engine, sql, params, write=write, every=every)
     error: type[Exception] = engine.dialect.loaded_dbapi.Error
+    # On payorch's engines the connection goes back still in autocommit: the next statement
+    # run here needs no switch, and the checkout listener switches it back for anyone else.
+    # An engine the caller built has no such listener: there it is switched back at once.
+    ours = engine in _SCHEMAS
     for attempt in range(MAX_TRANSACTION_ATTEMPTS):
         fairy = _checkout(engine, error)
         driver: Any = fairy.driver_connection
         try:
-            # The connection stays in autocommit when it goes back: the next statement run
-            # here needs no switch (the checkout listener switches it back for others).
             if not driver.autocommit and not _set_autocommit(fairy, driver, True):
                 # Unusable before anything was sent: nothing to be uncertain about.
                 if attempt == 0:
@@ -442,6 +444,8 @@ def _run_sql(
                 continue
             return [row for row in rows if row is not None]
         finally:
+            if not ours and fairy.is_valid and driver.autocommit:
+                _set_autocommit(fairy, driver, False)
             fairy.close()  # back to the pool (or, invalidated, discarded)
     raise StorageError("statement retries exhausted")  # pragma: no cover - loop returns/raises
 

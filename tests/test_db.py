@@ -79,10 +79,15 @@ def test_unsupported_urls_are_refused(url: str) -> None:
         normalise_url(url)
 
 
-def test_a_transaction_after_a_hot_statement_is_still_one_transaction(postgres_url: str) -> None:
-    """run_sql leaves its pooled connection in autocommit; the next SQLAlchemy transaction
-    on that very connection must still be all or nothing."""
-    engine = create_engine(postgres_url, pool_size=1, max_overflow=0)
+@pytest.mark.parametrize("built_by", ["payorch", "caller"])
+def test_a_transaction_after_a_hot_statement_is_still_one_transaction(
+    postgres_url: str, built_by: str
+) -> None:
+    """run_sql leaves its pooled connection in autocommit on payorch's engines; the next
+    SQLAlchemy transaction on that very connection must still be all or nothing, on an
+    engine the caller built (and handed to ``Store``) too."""
+    make = create_engine if built_by == "payorch" else sa.create_engine
+    engine = make(normalise_url(postgres_url), pool_size=1, max_overflow=0)
     try:
         assert run_sql(engine, "SELECT 1", {}, write=False) == (1,)
         with engine.connect() as conn:

@@ -168,7 +168,7 @@ def _configure(engine: Engine, schema: str | None) -> None:
 
 
 def _configure_postgres(engine: Engine) -> None:
-    sync = not engine.dialect.is_async
+    raw_path = _runs_on_driver(engine)
 
     @event.listens_for(engine, "checkout")
     def _on_checkout(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
@@ -178,7 +178,7 @@ def _configure_postgres(engine: Engine) -> None:
         # run_sql leaves its connections in autocommit, the mode its statements need, so
         # the hot path switches no mode per statement; every other user gets the driver's
         # transactions back, as SQLAlchemy expects them.
-        if sync and dbapi_conn.autocommit and not getattr(_RAW, "checkout", False):
+        if raw_path and dbapi_conn.autocommit and not getattr(_RAW, "checkout", False):
             try:
                 dbapi_conn.autocommit = False
             except Exception as err:  # psycopg.Error: closed or broken meanwhile
@@ -412,7 +412,7 @@ def run_sql_rows(
 def _run_sql(
     engine: Engine, sql: str, params: Mapping[str, Any], *, write: bool, every: bool
 ) -> list[tuple[Any, ...]]:
-    if engine.dialect.is_async or engine.dialect.driver != "psycopg":
+    if not _runs_on_driver(engine):
         return _run_sql_via_sqlalchemy(engine, sql, params, write=write, every=every)
     error: type[Exception] = engine.dialect.loaded_dbapi.Error
     # On payorch's engines the connection goes back still in autocommit: the next statement
@@ -448,6 +448,12 @@ def _run_sql(
                 _set_autocommit(fairy, driver, False)
             fairy.close()  # back to the pool (or, invalidated, discarded)
     raise StorageError("statement retries exhausted")  # pragma: no cover - loop returns/raises
+
+
+def _runs_on_driver(engine: Engine) -> bool:
+    """Whether :func:`run_sql` runs on the pooled driver connection itself (synchronous
+    psycopg); elsewhere it goes through SQLAlchemy and never leaves autocommit on."""
+    return not engine.dialect.is_async and engine.dialect.driver == "psycopg"
 
 
 # Set while run_sql checks a connection out: the checkout listener then leaves autocommit on.

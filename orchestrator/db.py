@@ -36,6 +36,7 @@ from .errors import (
     InvalidRequest,
     StorageError,
 )
+from .forks import reset_in_child
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -165,6 +166,23 @@ def _configure(engine: Engine, schema: str | None) -> None:
     else:
         _SCHEMAS[engine] = schema
         _configure_postgres(engine)
+    # A forked child starts with an empty pool of its own (an in-memory SQLite database
+    # lives in its one connection: a child keeps its copy).
+    if not _in_memory(engine.url):
+        reset_in_child(engine, _forget_connections)
+
+
+def _in_memory(url: URL) -> bool:
+    database = url.database or ""
+    return url.get_backend_name() == "sqlite" and (
+        database in ("", ":memory:") or url.query.get("mode") == "memory"
+    )
+
+
+def _forget_connections(engine: Engine) -> None:
+    """In a forked child: a new pool; the parent's connections are dropped, not closed
+    (closing would end the parent's sessions; the drivers' finalizers leave them alone)."""
+    engine.dispose(close=False)
 
 
 def _configure_postgres(engine: Engine) -> None:

@@ -32,6 +32,7 @@ from .errors import (
     UnknownProvider,
 )
 from .flights import Flight, Flights
+from .forks import reset_in_child
 from .operations import Prepared, Registry, default_registry
 from .outcome import Outcome, decide, late_conflict
 from .provider import Answer, AnswerKind, Provider, SubmitRequest
@@ -87,6 +88,8 @@ class Executor:
         self.lease = lease
         self.retry = retry or RetryPolicy()
         self.owner = owner or default_owner()
+        if owner is None:  # a forked child's leases say which process holds them
+            reset_in_child(self, Executor._rename)
         self._sleep = sleep
         self._rand = rand
         # Identical requests waiting together in this process share one leader's trip.
@@ -101,6 +104,9 @@ class Executor:
                     f"{p.max_call_duration.total_seconds():g}s plus backoff); "
                     "raise the lease or lower the time-outs"
                 )
+
+    def _rename(self) -> None:
+        self.owner = default_owner()
 
     def lease_needed(self, provider: Provider) -> timedelta:
         r = self.retry

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from .core import State
+from .forks import reset_in_child
 from .records import OperationRecord
 
 __all__ = ["Flight", "Flights", "Namespace"]
@@ -35,6 +36,10 @@ class Flight:
 
 class Flights:
     def __init__(self) -> None:
+        self._start()
+        reset_in_child(self, Flights._start)  # a forked child's flights have no leaders
+
+    def _start(self) -> None:
         self._lock = threading.Condition()
         self._flying: dict[Namespace, Flight] = {}
 

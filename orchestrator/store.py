@@ -34,6 +34,7 @@ from .errors import (
     OperationInProgress,
     StaleVersion,
 )
+from .forks import reset_in_child
 from .records import ClaimResult, NewOperation, OperationRecord
 from .statements import (
     PG_CLAIMED,
@@ -88,6 +89,13 @@ class Store(Reads, WorkQueue):
         self._updates: dict[tuple[Any, ...], Any] = {}
         self._pg_updates: dict[tuple[Any, ...], str] = {}
         self._listener: Listener | None = None
+        self._listener_lock = threading.Lock()
+        reset_in_child(self, Store._forget_listener)
+
+    def _forget_listener(self) -> None:
+        # In a forked child: the LISTEN connection and its thread are the parent's (the
+        # engine's pool is renewed by the engine's own reset). Dropped, not closed.
+        self._listener = None
         self._listener_lock = threading.Lock()
 
     @classmethod

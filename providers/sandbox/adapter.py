@@ -35,6 +35,7 @@ from payorch.errors import (
     WebhookMalformed,
     WebhookSignatureInvalid,
 )
+from payorch.forks import reset_in_child
 from payorch.provider import (
     Answer,
     AnswerKind,
@@ -134,6 +135,8 @@ class SandboxProvider:
         self._owns_client = client is None
         # The time-out is also passed on every request, so a caller's client cannot loosen it.
         self._client = client or httpx.Client(timeout=timeout, transport=transport)
+        if client is None and transport is None:
+            reset_in_child(self, SandboxProvider._renew_clients)
         # Created on first async use, so a sync-only user never opens one.
         self._aclient = async_client
         self._owns_aclient = async_client is None
@@ -244,6 +247,13 @@ class SandboxProvider:
             request,
             deadline=time.monotonic() + self._deadline.total_seconds(),
         )
+
+    def _renew_clients(self) -> None:
+        # In a forked child: the parent's keep-alive connections are not ours to write on
+        # (two processes on one connection read each other's responses). Dropped, not closed.
+        self._client = httpx.Client(timeout=self._timeout)
+        if self._owns_aclient and self._async_transport is None:
+            self._aclient = None
 
     def _async_client(self) -> httpx.AsyncClient:
         if self._aclient is None:

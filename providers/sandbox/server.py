@@ -197,8 +197,9 @@ class SandboxServer:
         return [e for e in self.ledger() if e["metadata"].get("operation_id") == operation_id]
 
     def requests(self) -> list[dict[str, Any]]:
-        """The requests received, oldest first (bounded): method, path and headers
-        (lower-case names), e.g. to see the ``traceparent`` a client sent."""
+        """The requests received, oldest first (bounded): method, path, headers (lower-case
+        names) and ``peer``, the client's ``host:port`` (which connection carried it), e.g.
+        to see the ``traceparent`` a client sent."""
         httpd = self._httpd
         if httpd is None:
             return []
@@ -326,7 +327,12 @@ class _Handler(BaseHTTPRequestHandler):
             headers = {k.lower(): v for k, v in self.headers.items()}
             with httpd.received_lock:
                 httpd.received.append(
-                    {"method": self.command, "path": self.path, "headers": headers}
+                    {
+                        "method": self.command,
+                        "path": self.path,
+                        "headers": headers,
+                        "peer": f"{self.client_address[0]}:{self.client_address[1]}",
+                    }
                 )
             try:
                 reply = acquirer.handle(self.command, self.path, headers, body)

@@ -29,6 +29,7 @@ import httpx
 
 from payorch import tracing
 from payorch.errors import ConfigurationError
+from payorch.forks import reset_in_child
 from payorch.provider import (
     Answer,
     StatusQuery,
@@ -128,6 +129,8 @@ class StripeProvider:
             self._headers["Stripe-Version"] = stripe_version
         self._owns_client = client is None
         self._client = client or httpx.Client(transport=transport, timeout=timeout)
+        if client is None and transport is None:
+            reset_in_child(self, StripeProvider._renew_clients)
         # Opened on first async use, so a sync-only user never has one.
         self._aclient = async_client
         self._owns_aclient = async_client is None
@@ -272,6 +275,13 @@ class StripeProvider:
         except httpx.HTTPError as exc:
             return answer_from_transport_error(exc)
         return Reply.from_response(response)
+
+    def _renew_clients(self) -> None:
+        # In a forked child: the parent's keep-alive connections are not ours to write on
+        # (two processes on one connection read each other's responses). Dropped, not closed.
+        self._client = httpx.Client(timeout=self._timeout)
+        if self._owns_aclient and self._async_transport is None:
+            self._aclient = None
 
     def _async_client(self) -> httpx.AsyncClient:
         if self._aclient is None:

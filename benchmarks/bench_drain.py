@@ -231,15 +231,15 @@ def _settled(store: Store) -> int:
         return int(conn.execute(q).scalar_one())
 
 
-def _active(store: Store) -> int:
-    """Operations still to settle, read from the active partial index: the poll costs the
-    server what is left to drain, not a scan of the whole table every tick (that CPU would
-    be charged to the drain)."""
+def _any_active(store: Store) -> bool:
+    """Whether an operation is still to settle: the first entry of the active partial index
+    answers it. A count would walk every entry left (and their heap rows) 20 times a second,
+    server CPU charged to the drain it measures."""
     with store.engine.connect() as conn:
         # Literal, as the index's predicate is: a bound list would not match it in a generic plan.
         active = sa.text("state IN ('in_progress', 'outcome_unknown')")
-        q = sa.select(sa.func.count()).select_from(operations).where(active)
-        return int(conn.execute(q).scalar_one())
+        q = sa.select(sa.literal(1)).select_from(operations).where(active).limit(1)
+        return conn.execute(q).first() is not None
 
 
 def drain(
@@ -279,7 +279,7 @@ def drain(
         go.set()
         while time.perf_counter() - started < limit_s:  # bounded
             time.sleep(0.05)
-            if not _active(store):
+            if not _any_active(store):
                 break
         seconds = time.perf_counter() - started  # from the release of ready daemons
         sandbox_cpu = time.process_time() - cpu_began

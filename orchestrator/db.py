@@ -166,17 +166,8 @@ def _configure(engine: Engine, schema: str | None) -> None:
     else:
         _SCHEMAS[engine] = schema
         _configure_postgres(engine)
-    # A forked child starts with an empty pool of its own (an in-memory SQLite database
-    # lives in its one connection: a child keeps its copy).
-    if not _in_memory(engine.url):
-        reset_in_child(engine, _forget_connections)
-
-
-def _in_memory(url: URL) -> bool:
-    database = url.database or ""
-    return url.get_backend_name() == "sqlite" and (
-        database in ("", ":memory:") or url.query.get("mode") == "memory"
-    )
+    # A forked child starts with an empty pool of its own.
+    reset_in_child(engine, _forget_connections)
 
 
 def _forget_connections(engine: Engine) -> None:

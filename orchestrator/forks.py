@@ -11,6 +11,7 @@ them without closing them: closing a socket's session from the child ends the pa
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
@@ -21,22 +22,40 @@ __all__ = ["reset_in_child"]
 
 _T = TypeVar("_T")
 
-# Held weakly: an object gone needs no reset. The reset takes the object as its argument,
-# so it holds no reference of its own.
-_RESETS: weakref.WeakKeyDictionary[Any, Callable[[Any], None]] = weakref.WeakKeyDictionary()
+# By identity, not equality: equal objects (two frozen dataclasses alike) each need their
+# own reset, and an unhashable one may register too. Held weakly: an object gone needs no
+# reset, and its entry goes with it. A reset takes the object as its argument, so it holds
+# no reference of its own.
+_RESETS: dict[int, tuple[weakref.ref[Any], list[Callable[[Any], None]]]] = {}
 
 
 def reset_in_child(obj: _T, reset: Callable[[_T], None]) -> None:
-    """Run ``reset(obj)`` in every child process forked while ``obj`` lives."""
-    _RESETS[obj] = reset
+    """Run ``reset(obj)`` in every child process forked while ``obj`` lives (after any reset
+    registered for it before). The reset must be quick and must not do I/O: it runs before
+    the child's own code, in every child, ``subprocess`` children with a ``preexec_fn`` too."""
+    key = id(obj)
+    entry = _RESETS.get(key)
+    if entry is None or entry[0]() is not obj:
+        entry = _RESETS[key] = (weakref.ref(obj, functools.partial(_forget, key)), [])
+    entry[1].append(reset)
+
+
+def _forget(key: int, ref: weakref.ref[Any]) -> None:
+    entry = _RESETS.get(key)
+    if entry is not None and entry[0] is ref:  # not a newer object that took the same id
+        del _RESETS[key]
 
 
 def _after_fork_in_child() -> None:
-    for obj, reset in list(_RESETS.items()):
-        try:
-            reset(obj)
-        except Exception:  # one failure must not leave the others shared
-            logging.getLogger("payorch").exception("resetting %r after a fork failed", obj)
+    for ref, resets in list(_RESETS.values()):
+        obj = ref()
+        if obj is None:
+            continue
+        for reset in resets:
+            try:
+                reset(obj)
+            except Exception:  # one failure must not leave the others shared
+                logging.getLogger("payorch").exception("resetting %r after a fork failed", obj)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

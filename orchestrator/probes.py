@@ -15,6 +15,7 @@ import sqlalchemy as sa
 
 from .core import State
 from .db import read_in_transaction
+from .forks import reset_in_child
 from .tables import db_now, is_active, is_flagged, operations
 
 if TYPE_CHECKING:
@@ -33,6 +34,11 @@ class OneAtATime(Generic[T]):
     def __init__(self, fn: Callable[[], T], *, timeout: float) -> None:
         self.fn = fn
         self.timeout = timeout
+        self._start()
+        # A forked child has no thread behind a call in flight at the fork.
+        reset_in_child(self, OneAtATime._start)
+
+    def _start(self) -> None:
         self._lock = threading.Lock()
         self._inflight: Future[T] | None = None
 

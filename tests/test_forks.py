@@ -9,10 +9,16 @@ thing, lets the child use it and tidy up, and then checks both sides.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
+import select
+import signal
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -27,37 +33,70 @@ from payorch.core import State
 from payorch.db import run_sql
 from payorch.executor import Executor
 from payorch.flights import Flights
+from payorch.forks import reset_in_child
 from payorch.operations import default_registry
+from payorch.probes import OneAtATime
 from payorch.provider import StatusQuery
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.providers.stripe import StripeProvider
+from payorch.reconciler import Reconciler
 from payorch.store import Store
 
 PAYMENT = {"amount": 1200, "currency": "EUR", "customer": "cus_fork"}
+QUERY = StatusQuery(
+    tenant_id="shop",
+    operation="payment.create",
+    operation_id="op_fork",
+    downstream_key="dk_fork",
+    provider_reference="pi_fork",
+)
+
+
+CHILD_LIMIT = 60.0  # seconds: a child that hangs is killed and fails its test
 
 
 def in_child(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """``work()`` in a forked child; what it returned (JSON), or the test fails."""
     read_end, write_end = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
+    if pid == 0:  # the child: whatever happens, it ends here and never returns into pytest
         code = 1
         try:
             os.close(read_end)
-            result: dict[str, Any] = work()
-            code = 0
-        except BaseException as exc:
-            result = {"error": repr(exc)}
+            ok = False
+            try:
+                result = work()
+                ok = True
+            except BaseException as exc:
+                result = {"error": repr(exc)}
+            # What the child dropped is collected now, in the child: its finalizers must
+            # not reach the parent's sessions either.
+            gc.collect()
+            payload = json.dumps(result).encode()
+            while payload:
+                payload = payload[os.write(write_end, payload) :]
+            code = 0 if ok else 1
         finally:
-            with os.fdopen(write_end, "w") as out:
-                json.dump(result, out)
             os._exit(code)
     os.close(write_end)
-    with os.fdopen(read_end) as pipe:
-        text = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    result = json.loads(text)
-    assert os.waitstatus_to_exitcode(status) == 0, result
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + CHILD_LIMIT
+    try:
+        while True:
+            ready, _, _ = select.select([read_end], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                os.kill(pid, signal.SIGKILL)
+                pytest.fail(f"the forked child did not finish within {CHILD_LIMIT:g} s")
+            chunk = os.read(read_end, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(read_end)
+        _, status = os.waitpid(pid, 0)
+    text = b"".join(chunks).decode()
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    result: dict[str, Any] = json.loads(text)
     return result
 
 
@@ -93,8 +132,8 @@ def test_a_forked_child_executes_on_connections_of_its_own(
     )
     assert pay(ex, "before-fork") is State.SUCCEEDED
     parent_session = backend(store)
+    seen = len(peers(sandbox))
     parent_peers = set(peers(sandbox))
-    seen = len(parent_peers)
 
     def child() -> dict[str, Any]:
         state = pay(ex, "in-child")
@@ -225,13 +264,7 @@ def test_a_forked_childs_stripe_adapter_opens_its_own_connection(
         base_url=f"http://{host!s}:{port}",
         timeout=httpx.Timeout(5.0),
     )
-    query = StatusQuery(
-        tenant_id="shop",
-        operation="payment.create",
-        operation_id="op_fork",
-        downstream_key="dk_fork",
-        provider_reference="pi_fork",
-    )
+    query = QUERY
     stripe.query_status(query)
     parent_peers = list(recorder.peers)
     assert parent_peers
@@ -247,3 +280,107 @@ def test_a_forked_childs_stripe_adapter_opens_its_own_connection(
     stripe.query_status(query)  # the parent's connection still serves it
     assert recorder.peers[-1] in parent_peers
     stripe.close()
+
+
+def test_a_forked_childs_reconciler_leases_under_its_own_name(store: Store) -> None:
+    # The owner fences leases (a check that lost its lease must not release a sibling's).
+    reconciler = Reconciler(store=store, providers=[])
+    named = Reconciler(store=store, providers=[], owner="shard-1")
+
+    def child() -> dict[str, Any]:
+        return {"owner": reconciler.owner, "named": named.owner, "pid": os.getpid()}
+
+    result = in_child(child)
+    assert result["owner"] == f"reconciler:{socket.gethostname()}:{result['pid']}"
+    assert result["named"] == "shard-1"  # a name the caller chose stays theirs
+    assert reconciler.owner.endswith(f":{os.getpid()}")
+
+
+@dataclass(frozen=True)
+class _Equal:
+    """Equal to every other instance: the registry must still reset each one."""
+
+    tag: str = "same"
+    resets: list[str] = field(default_factory=list, compare=False, hash=False)
+
+
+@dataclass
+class _Unhashable:
+    resets: list[str] = field(default_factory=list)
+
+
+def test_every_registered_object_and_reset_runs_in_the_child() -> None:
+    first, second, loose = _Equal(), _Equal(), _Unhashable()
+    assert first == second
+    reset_in_child(first, lambda obj: obj.resets.append("a"))
+    reset_in_child(second, lambda obj: obj.resets.append("b"))
+    reset_in_child(loose, lambda obj: obj.resets.append("c"))
+    reset_in_child(loose, lambda obj: obj.resets.append("d"))  # a second reset adds to the first
+
+    def child() -> dict[str, Any]:
+        return {"first": first.resets, "second": second.resets, "loose": loose.resets}
+
+    assert in_child(child) == {"first": ["a"], "second": ["b"], "loose": ["c", "d"]}
+    assert first.resets == second.resets == loose.resets == []  # the parent's are untouched
+
+
+def test_a_forked_child_renews_the_async_client_an_adapter_owns_beside_a_callers_client(
+    recorder: _Recorder, loop_thread: LoopThread
+) -> None:
+    host, port = recorder.server_address[:2]
+    caller = httpx.Client(timeout=5.0)  # the caller's: theirs to renew
+    stripe = StripeProvider(
+        api_key="sk_test_fork",
+        base_url=f"http://{host!s}:{port}",
+        timeout=httpx.Timeout(5.0),
+        client=caller,
+    )
+    loop_thread.run(stripe.aquery_status(QUERY))
+    parent_peers = list(recorder.peers)
+
+    def child() -> dict[str, Any]:
+        asyncio.run(stripe.aquery_status(QUERY))
+        return {}
+
+    in_child(child)
+    child_peers = recorder.peers[len(parent_peers) :]
+    assert child_peers and not set(child_peers) & set(parent_peers)
+    loop_thread.run(stripe.aclose())
+    caller.close()
+
+
+def test_a_forked_child_probes_though_its_parents_probe_was_stuck() -> None:
+    parent = os.getpid()
+    release = threading.Event()
+
+    def read() -> str:
+        if os.getpid() == parent:
+            release.wait(30)  # a hung database in the parent
+        return "fresh"
+
+    probe = OneAtATime(read, timeout=0.01)
+    try:
+        assert probe() is None  # the parent's read is stuck: no answer, no second thread
+        # The child has no thread behind the parent's read: it must not wait on it forever.
+        assert in_child(lambda: {"answer": probe()}) == {"answer": "fresh"}
+    finally:
+        release.set()
+
+
+def test_a_forked_django_worker_builds_its_own_runtime() -> None:
+    pytest.importorskip("django")
+    from payorch.integrations._django_config import _Runtime
+
+    runtime = _Runtime()
+    loop = asyncio.new_event_loop()
+    runtime.loop = loop  # as after the parent served an async view
+    try:
+
+        def child() -> dict[str, Any]:
+            return {"loop": runtime.loop is None, "lock": runtime.lock.acquire(blocking=False)}
+
+        # Its async views would otherwise be refused: the parent's loop is not running here.
+        assert in_child(child) == {"loop": True, "lock": True}
+        assert runtime.loop is loop
+    finally:
+        loop.close()

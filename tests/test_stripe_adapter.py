@@ -231,7 +231,7 @@ def test_injected_client_is_not_closed_and_adapter_timeouts_apply(router: respx.
 def test_owned_client_is_closed(router: respx.Router) -> None:
     stripe = StripeProvider(api_key=API_KEY, transport=httpx.MockTransport(router.handler))
     stripe.close()
-    assert stripe._client.is_closed
+    assert stripe._clients.sync.is_closed
 
 
 def test_base_url_is_configurable() -> None:

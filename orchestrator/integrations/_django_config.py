@@ -25,6 +25,7 @@ from payorch.aio import AsyncExecutor, AsyncWebhookHandler
 from payorch.async_store import AsyncStore
 from payorch.errors import ConfigurationError, InvalidTenant
 from payorch.executor import Executor
+from payorch.forks import reset_in_child
 from payorch.operations import Registry, default_registry
 from payorch.provider import AsyncProvider, Provider
 from payorch.settings import Settings
@@ -177,6 +178,13 @@ class _Runtime:
     """The executors, handlers and stores, built on first use under one lock."""
 
     def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.reset()
+        # A forked worker builds its own on first use: the parent's event loop and the
+        # objects on it are not the child's (what they hold is dropped, not closed).
+        reset_in_child(self, _Runtime._forget)
+
+    def _forget(self) -> None:
         self.lock = threading.RLock()
         self.reset()
 

@@ -29,13 +29,13 @@ from standardwebhooks.webhooks import (
 )
 
 from payorch import tracing
+from payorch.clients import HttpClients
 from payorch.errors import (
     ConfigurationError,
     ProviderIdempotencyError,
     WebhookMalformed,
     WebhookSignatureInvalid,
 )
-from payorch.forks import reset_in_child
 from payorch.provider import (
     Answer,
     AnswerKind,
@@ -132,15 +132,14 @@ class SandboxProvider:
                 self._webhook = Webhook(webhook_secret)
             except (ValueError, EmptyWebhookSecretError) as exc:  # ValueError: bad base64
                 raise ConfigurationError("the sandbox webhook secret is not valid") from exc
-        self._owns_client = client is None
         # The time-out is also passed on every request, so a caller's client cannot loosen it.
-        self._client = client or httpx.Client(timeout=timeout, transport=transport)
-        if client is None and transport is None:
-            reset_in_child(self, SandboxProvider._renew_clients)
-        # Created on first async use, so a sync-only user never opens one.
-        self._aclient = async_client
-        self._owns_aclient = async_client is None
-        self._async_transport = async_transport
+        self._clients = HttpClients(
+            timeout=timeout,
+            client=client,
+            transport=transport,
+            async_client=async_client,
+            async_transport=async_transport,
+        )
 
     # -- Provider --------------------------------------------------------------------------
 
@@ -158,14 +157,14 @@ class SandboxProvider:
 
     def submit(self, request: SubmitRequest) -> Answer:
         try:
-            response = self._send(self._submit_request(self._client, request))
+            response = self._send(self._submit_request(self._clients.sync, request))
         except httpx.HTTPError as exc:
             return answer_from_transport_error(exc)
         return self._classify_submit(response, request)
 
     def query_status(self, query: StatusQuery) -> Answer:
         try:
-            response = self._send(self._query_request(self._client, query))
+            response = self._send(self._query_request(self._clients.sync, query))
         except httpx.HTTPError as exc:
             # NOT_SENT or AMBIGUOUS: for a read both only mean "unavailable, ask later".
             return answer_from_transport_error(exc)
@@ -174,7 +173,7 @@ class SandboxProvider:
     # -- AsyncProvider: the same requests and classification, sent by httpx.AsyncClient --
 
     async def asubmit(self, request: SubmitRequest) -> Answer:
-        client = self._async_client()
+        client = self._clients.asynchronous()
         try:
             response = await self._asend(self._submit_request(client, request))
         except httpx.HTTPError as exc:
@@ -182,7 +181,7 @@ class SandboxProvider:
         return self._classify_submit(response, request)
 
     async def aquery_status(self, query: StatusQuery) -> Answer:
-        client = self._async_client()
+        client = self._clients.asynchronous()
         try:
             response = await self._asend(self._query_request(client, query))
         except httpx.HTTPError as exc:
@@ -238,35 +237,20 @@ class SandboxProvider:
 
     def _send(self, request: httpx.Request) -> httpx.Response:
         return send_with_deadline(
-            self._client, request, deadline=time.monotonic() + self._deadline.total_seconds()
+            self._clients.sync, request, deadline=time.monotonic() + self._deadline.total_seconds()
         )
 
     async def _asend(self, request: httpx.Request) -> httpx.Response:
         return await asend_with_deadline(
-            self._async_client(),
+            self._clients.asynchronous(),
             request,
             deadline=time.monotonic() + self._deadline.total_seconds(),
         )
 
-    def _renew_clients(self) -> None:
-        # In a forked child: the parent's keep-alive connections are not ours to write on
-        # (two processes on one connection read each other's responses). Dropped, not closed.
-        self._client = httpx.Client(timeout=self._timeout)
-        if self._owns_aclient and self._async_transport is None:
-            self._aclient = None
-
-    def _async_client(self) -> httpx.AsyncClient:
-        if self._aclient is None:
-            self._aclient = httpx.AsyncClient(
-                timeout=self._timeout, transport=self._async_transport
-            )
-        return self._aclient
-
     # -- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
-        if self._owns_client:
-            self._client.close()
+        self._clients.close()
 
     def __enter__(self) -> SandboxProvider:
         return self
@@ -276,10 +260,7 @@ class SandboxProvider:
 
     async def aclose(self) -> None:
         """Close both clients this adapter opened (the async one on its own loop)."""
-        self.close()
-        if self._owns_aclient and self._aclient is not None:
-            await self._aclient.aclose()
-            self._aclient = None
+        await self._clients.aclose()
 
     async def __aenter__(self) -> SandboxProvider:
         return self

@@ -28,8 +28,8 @@ from typing import Self
 import httpx
 
 from payorch import tracing
+from payorch.clients import HttpClients
 from payorch.errors import ConfigurationError
-from payorch.forks import reset_in_child
 from payorch.provider import (
     Answer,
     StatusQuery,
@@ -127,14 +127,13 @@ class StripeProvider:
         self._headers = {"Authorization": f"Bearer {api_key}", "Accept": "application/json"}
         if stripe_version:
             self._headers["Stripe-Version"] = stripe_version
-        self._owns_client = client is None
-        self._client = client or httpx.Client(transport=transport, timeout=timeout)
-        if client is None and transport is None:
-            reset_in_child(self, StripeProvider._renew_clients)
-        # Opened on first async use, so a sync-only user never has one.
-        self._aclient = async_client
-        self._owns_aclient = async_client is None
-        self._async_transport = async_transport
+        self._clients = HttpClients(
+            timeout=timeout,
+            client=client,
+            transport=transport,
+            async_client=async_client,
+            async_transport=async_transport,
+        )
 
     # -- the Provider protocol -------------------------------------------------------------
 
@@ -189,15 +188,11 @@ class StripeProvider:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        if self._owns_client:
-            self._client.close()
+        self._clients.close()
 
     async def aclose(self) -> None:
         """Close both clients this adapter opened (the async one on its own loop)."""
-        self.close()
-        if self._owns_aclient and self._aclient is not None:
-            await self._aclient.aclose()
-            self._aclient = None
+        await self._clients.aclose()
 
     async def __aenter__(self) -> Self:
         return self
@@ -261,31 +256,17 @@ class StripeProvider:
     def _call(self, call: Call, deadline: float) -> Reply | Answer:
         """One HTTP call; httpx errors become answers here and nowhere else."""
         try:
-            request = self._request(self._client, call)
-            response = send_with_deadline(self._client, request, deadline=deadline)
+            request = self._request(self._clients.sync, call)
+            response = send_with_deadline(self._clients.sync, request, deadline=deadline)
         except httpx.HTTPError as exc:
             return answer_from_transport_error(exc)
         return Reply.from_response(response)
 
     async def _acall(self, call: Call, deadline: float) -> Reply | Answer:
-        client = self._async_client()
+        client = self._clients.asynchronous()
         try:
             request = self._request(client, call)
             response = await asend_with_deadline(client, request, deadline=deadline)
         except httpx.HTTPError as exc:
             return answer_from_transport_error(exc)
         return Reply.from_response(response)
-
-    def _renew_clients(self) -> None:
-        # In a forked child: the parent's keep-alive connections are not ours to write on
-        # (two processes on one connection read each other's responses). Dropped, not closed.
-        self._client = httpx.Client(timeout=self._timeout)
-        if self._owns_aclient and self._async_transport is None:
-            self._aclient = None
-
-    def _async_client(self) -> httpx.AsyncClient:
-        if self._aclient is None:
-            self._aclient = httpx.AsyncClient(
-                transport=self._async_transport, timeout=self._timeout
-            )
-        return self._aclient

@@ -13,13 +13,14 @@ the same announcements say whether writing had begun when it was cancelled.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import httpx
+
+from .forks import reset_in_child
 
 __all__ = ["DeadlineExceeded", "asend_with_deadline", "send_with_deadline"]
 
@@ -230,7 +231,7 @@ class _Worker:
 
 
 _WORKERS = _Workers()
-os.register_at_fork(after_in_child=_WORKERS.forget)
+reset_in_child(_WORKERS, _Workers.forget)
 
 
 def send_with_deadline(

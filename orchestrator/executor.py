@@ -7,6 +7,7 @@ that leaves an operation the reconciler can finish from evidence.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import socket
@@ -40,12 +41,29 @@ from .records import OperationRecord
 from .redaction import Redactor
 from .store import Store
 
-__all__ = ["Executor", "RetryPolicy", "default_owner", "submit_and_record"]
+__all__ = [
+    "Executor",
+    "RetryPolicy",
+    "default_owner",
+    "owner_of_this_process",
+    "submit_and_record",
+]
 
 
 def default_owner(role: str = "executor") -> str:
     """A lease owner name that says which process held it."""
     return f"{role}:{socket.gethostname()}:{os.getpid()}"
+
+
+def owner_of_this_process(holder: Any, role: str) -> str:
+    """:func:`default_owner` for ``holder.owner``, renamed in every forked child: the owner
+    fences leases, and sibling workers must not share one."""
+    reset_in_child(holder, functools.partial(_rename, role=role))
+    return default_owner(role)
+
+
+def _rename(holder: Any, *, role: str) -> None:
+    holder.owner = default_owner(role)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,9 +105,7 @@ class Executor:
         self.registry = registry or default_registry()
         self.lease = lease
         self.retry = retry or RetryPolicy()
-        self.owner = owner or default_owner()
-        if owner is None:  # a forked child's leases say which process holds them
-            reset_in_child(self, Executor._rename)
+        self.owner = owner or owner_of_this_process(self, "executor")
         self._sleep = sleep
         self._rand = rand
         # Identical requests waiting together in this process share one leader's trip.
@@ -104,9 +120,6 @@ class Executor:
                     f"{p.max_call_duration.total_seconds():g}s plus backoff); "
                     "raise the lease or lower the time-outs"
                 )
-
-    def _rename(self) -> None:
-        self.owner = default_owner()
 
     def lease_needed(self, provider: Provider) -> timedelta:
         r = self.retry

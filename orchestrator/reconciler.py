@@ -23,8 +23,7 @@ import sqlalchemy as sa
 from . import logs, metrics, tracing
 from .core import State, backoff_delay
 from .errors import ConfigurationError, CorruptRecord, StaleVersion
-from .executor import RetryPolicy, default_owner, submit_and_record
-from .forks import reset_in_child
+from .executor import RetryPolicy, owner_of_this_process, submit_and_record
 from .operations import REDACTED
 from .outcome import ABANDONED, Decision, settled
 from .provider import AnswerKind, Provider, StatusQuery
@@ -58,9 +57,7 @@ class Reconciler:
         self.store = store
         self.providers = {p.name: p for p in providers}
         self.policy = policy or ReconcilerPolicy()
-        self.owner = owner or default_owner("reconciler")
-        if owner is None:  # the owner fences leases: a forked child's must be its own
-            reset_in_child(self, Reconciler._rename)
+        self.owner = owner or owner_of_this_process(self, "reconciler")
         self.submit_retry = submit_retry or RetryPolicy(max_attempts=1)
         self._rand = rand
         # None: every tenant. A set: only those (a daemon per shard, or the demo's own).
@@ -175,9 +172,6 @@ class Reconciler:
                 tick(finished.get().result())
                 running -= 1
         return report
-
-    def _rename(self) -> None:
-        self.owner = default_owner("reconciler")
 
     def _check_inline(
         self,

@@ -178,8 +178,7 @@ class _Runtime:
     """The executors, handlers and stores, built on first use under one lock."""
 
     def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.reset()
+        self._forget()
         # A forked worker builds its own on first use: the parent's event loop and the
         # objects on it are not the child's (what they hold is dropped, not closed).
         reset_in_child(self, _Runtime._forget)

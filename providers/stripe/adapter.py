@@ -256,8 +256,9 @@ class StripeProvider:
     def _call(self, call: Call, deadline: float) -> Reply | Answer:
         """One HTTP call; httpx errors become answers here and nowhere else."""
         try:
-            request = self._request(self._clients.sync, call)
-            response = send_with_deadline(self._clients.sync, request, deadline=deadline)
+            client = self._clients.sync
+            request = self._request(client, call)
+            response = send_with_deadline(client, request, deadline=deadline)
         except httpx.HTTPError as exc:
             return answer_from_transport_error(exc)
         return Reply.from_response(response)

@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import resource
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ class DrainResult:
     daemon_cpu_s: float = 0.0  # all daemons' CPU (user + system) from their release on
     sandbox_cpu_s: float = 0.0  # this process: the sandbox server and the polling
     server_cpu_s: float | None = None  # the PostgreSQL server's processes; None: not on this host
+    floor: bool = False  # the bare floor (httpx and psycopg, no payorch), not the daemons
 
     @property
     def cpu_ms_per_check(self) -> tuple[float, float]:
@@ -325,6 +327,167 @@ def drain(
     )
 
 
+# -- the floor: the same drain without payorch ----------------------------------------------
+
+# Up to FLOOR_CLAIM due operations per statement, leased with SKIP LOCKED as the daemons do.
+FLOOR_CLAIM_SQL = """
+UPDATE payorch_operations SET lease_owner = %(owner)s,
+    lease_expires_at = now() + interval '60 seconds'
+WHERE (tenant_id, id) IN (
+    SELECT tenant_id, id FROM payorch_operations
+    WHERE state IN ('in_progress', 'outcome_unknown') AND next_check_at <= now()
+      AND (lease_expires_at IS NULL OR lease_expires_at < now())
+    ORDER BY next_check_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED)
+RETURNING tenant_id, id, downstream_key, version
+"""
+FLOOR_SETTLE_SQL = """
+UPDATE payorch_operations SET state = 'succeeded', provider_reference = %(ref)s,
+    version = version + 1, lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
+WHERE tenant_id = %(tenant)s AND id = %(id)s AND version = %(version)s
+RETURNING version
+"""
+FLOOR_CLAIM = 16
+
+
+def _floor_daemon(  # noqa: PLR0917 - a spawned process's target takes positional arguments
+    conninfo: str,
+    sandbox_url: str,
+    concurrency: int,
+    latency: float,
+    out: Any,
+    ready: Any,
+    go: Any,
+) -> None:
+    """The least a drain daemon can do: ``concurrency`` threads, each with its own psycopg
+    connection in autocommit, claim due operations, ask the sandbox for each (the same
+    httpx transport and latency as the daemons), and settle it in one fenced UPDATE. No
+    lease per check, no events, no evidence, no deadline, no validation."""
+    import psycopg
+
+    connections = [psycopg.connect(conninfo, autocommit=True) for _ in range(concurrency)]
+    client = httpx.Client(base_url=sandbox_url, transport=_SlowStatus(latency))
+    began = resource.getrusage(resource.RUSAGE_SELF)
+    ready.release()
+    go.wait()
+
+    def work(conn: psycopg.Connection[Any], owner: str) -> None:
+        while True:
+            batch = conn.execute(FLOOR_CLAIM_SQL, {"owner": owner, "limit": FLOOR_CLAIM}).fetchall()
+            if not batch:
+                return
+            for tenant, op_id, key, version in batch:
+                body = client.get("/v1/effects", params={"idempotency_key": key}).json()
+                ref = body["data"][0]["id"] if body.get("data") else None
+                settle = {"ref": ref, "tenant": tenant, "id": op_id, "version": version}
+                conn.execute(FLOOR_SETTLE_SQL, settle).fetchone()
+
+    threads = [
+        threading.Thread(target=work, args=(conn, f"floor-{os.getpid()}-{i}"))
+        for i, conn in enumerate(connections)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = usage.ru_utime + usage.ru_stime - (began.ru_utime + began.ru_stime)
+    client.close()
+    for conn in connections:
+        conn.close()
+    out.put((_peak_rss_mb(), cpu))
+
+
+def make_due_again(url: str) -> None:
+    """Every operation of a drained backlog due and unknown again (for the floor's run)."""
+    store = Store.from_url(url)
+    try:
+        with store.engine.begin() as conn:
+            conn.execute(
+                sa.update(operations).values(
+                    state="outcome_unknown",
+                    version=operations.c.version + 1,
+                    lease_owner=None,
+                    lease_expires_at=None,
+                    next_check_at=sa.func.now() - sa.text("interval '1 hour'"),
+                )
+            )
+        with store.engine.connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql(
+                "VACUUM ANALYZE payorch_operations"
+            )
+    finally:
+        store.close()
+
+
+def floor_drain(
+    url: str,
+    conninfo: str,
+    sandbox: SandboxServer,
+    *,
+    processes: int,
+    n: int,
+    concurrency: int,
+    latency: float,
+    limit_s: float = 600.0,
+) -> DrainResult:
+    """The drain's floor on ``n`` due operations (see :func:`make_due_again`): ``processes``
+    bare daemons (:func:`_floor_daemon`). What payorch's daemons are compared with."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    ready, go = ctx.Semaphore(0), ctx.Event()
+    procs = [
+        ctx.Process(
+            target=_floor_daemon,
+            args=(conninfo, sandbox.url, concurrency, latency, out, ready, go),
+        )
+        for _ in range(processes)
+    ]
+    server = ServerCpu.of(url)
+    try:
+        launched = time.perf_counter()
+        for p in procs:
+            p.start()
+        for _ in procs:
+            if not ready.acquire(timeout=120):  # bounded: a process that never starts
+                raise RuntimeError("a floor drain process did not start within 120 s")
+        startup = time.perf_counter() - launched
+        cpu_began = time.process_time()
+        server_began = server.seconds() if server is not None else 0.0
+        started = time.perf_counter()
+        go.set()
+        reports = [out.get(timeout=limit_s) for _ in procs]  # bounded; each ends when none is due
+        seconds = time.perf_counter() - started
+        sandbox_cpu = time.process_time() - cpu_began
+        server_cpu = server.seconds() - server_began if server is not None else None
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    store = Store.from_url(url)
+    try:
+        settled = _settled(store)
+    finally:
+        store.close()
+    return DrainResult(
+        daemons=processes,
+        operations=n,
+        concurrency=concurrency,
+        latency_ms=latency * 1000,
+        seconds=seconds,
+        settled=settled,
+        max_rss_mb=max(r[0] for r in reports) if reports else 0.0,
+        double_checked=0,  # not recorded: the floor writes no events
+        effects=0,
+        startup_s=startup,
+        daemon_cpu_s=sum(r[1] for r in reports),
+        sandbox_cpu_s=sandbox_cpu,
+        server_cpu_s=server_cpu,
+        floor=True,
+    )
+
+
 def print_drain(console: Console, results: list[DrainResult]) -> None:
     from rich.table import Table
 
@@ -332,6 +495,7 @@ def print_drain(console: Console, results: list[DrainResult]) -> None:
         return
     table = Table(title="Backlog drain (PostgreSQL, sandbox over loopback, status latency 100 ms)")
     for col in (
+        "run",
         "daemons",
         "due ops",
         "concurrency",
@@ -347,6 +511,7 @@ def print_drain(console: Console, results: list[DrainResult]) -> None:
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(
+            "floor" if r.floor else "payorch",
             str(r.daemons),
             str(r.operations),
             str(r.concurrency),
@@ -359,10 +524,18 @@ def print_drain(console: Console, results: list[DrainResult]) -> None:
                 + ["-" if r.server_ms_per_check is None else f"{r.server_ms_per_check:.2f}"]
             ),
             "-" if r.cpu_bound_s is None else f"{r.cpu_bound_s:.1f}",
-            str(r.double_checked),
-            str(r.effects),
+            "-" if r.floor else str(r.double_checked),
+            "-" if r.floor else str(r.effects),
         )
     console.print(table)
+    if any(r.floor for r in results):
+        console.print(
+            "  floor: the same backlog made due again and drained by as many bare processes,"
+            " each with as many threads: a claim of 16 per statement, the same httpx transport and"
+            " latency per status query, one fenced UPDATE per operation; nothing else (no lease per"
+            " check, event, evidence, deadline or validation): what this host allows for the work"
+            " itself."
+        )
     console.print(
         "  CPU ms/op d / s / pg: CPU per settled operation of all daemons (from their release), of"
         " this process (the sandbox server), of the PostgreSQL server (its processes on this host;"

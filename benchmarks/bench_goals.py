@@ -65,18 +65,28 @@ def print_goals(
         r = report.result("postgres", n, "execute")
         if r:
             ms = r.cpu_ms_per_op
-            goal(f"client CPU per execute() <= 1 ms ({n} thread(s)): {ms:.2f} ms", ms <= 1.0)
+            base = report.result("postgres", n, "floor")
+            of_floor = f" (the floor's: {base.cpu_ms_per_op:.2f} ms)" if base else ""
+            goal(
+                f"client CPU per execute() <= 1 ms ({n} thread(s)): {ms:.2f} ms{of_floor}",
+                ms <= 1.0,
+            )
     for s in storm:
         if s.loser_lag_ms:
             p99 = bench_storm.StormResult.pct(s.loser_lag_ms, 0.99)
             text = f"storm losers p99 lag <= {s.goal_ms:.0f} ms (executors {s.executors})"
             goal(f"{text}: {p99:.1f} ms", p99 <= s.goal_ms)
+    floors = {d.daemons: d for d in drained if d.floor}
     for d in drained:
+        if d.floor:
+            continue
         limit = 60.0 if d.daemons == 1 else 20.0
         full = d.operations >= 10000
         bound = ""
         if d.cpu_bound_s is not None:
             bound = f"; the CPU allows no less than {d.cpu_bound_s:.1f} s"
+        if (floor := floors.get(d.daemons)) is not None and floor.settled == floor.operations:
+            bound += f"; the bare floor took {floor.seconds:.1f} s"
         goal(
             f"drain {d.operations} ops, {d.daemons} daemon(s): {d.seconds:.1f} s "
             f"(goal at 10,000: <= {limit:.0f} s{'' if full else '; not the full count'}{bound})",

@@ -235,7 +235,8 @@ def bench_fsync_off(opts: Options, report: Report, say: Say) -> None:
 
 
 def bench_backlog(server: bench_db.Server, say: Say) -> list[bench_drain.DrainResult]:
-    """Backlog drain: N due operations, status latency 100 ms, 1 and 4 daemon processes."""
+    """Backlog drain: N due operations, status latency 100 ms, 1 and 4 daemon processes; and
+    the floor with as many bare processes as the most daemons."""
     from payorch.providers.sandbox import SandboxServer
 
     n, daemon_counts, concurrency = DRAIN
@@ -252,6 +253,20 @@ def bench_backlog(server: bench_db.Server, say: Say) -> list[bench_drain.DrainRe
                     db.url, sb, daemons=daemons, n=n, concurrency=concurrency, latency=0.1
                 )
             )
+            if daemons == max(daemon_counts):
+                say(f"drain floor: {daemons} bare process(es), the same backlog due again")
+                bench_drain.make_due_again(db.url)
+                results.append(
+                    bench_drain.floor_drain(
+                        db.url,
+                        db.conninfo,
+                        sb,
+                        processes=daemons,
+                        n=n,
+                        concurrency=concurrency,
+                        latency=0.1,
+                    )
+                )
     return results
 
 

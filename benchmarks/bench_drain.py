@@ -20,8 +20,9 @@ import resource
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -244,6 +245,74 @@ def _any_active(store: Store) -> bool:
         return conn.execute(q).first() is not None
 
 
+class _Processes:
+    """Spawned drain processes, released together once all are ready; the clock runs from
+    the release. Each target gets ``(*args, out, ready, go)`` and puts ``(peak RSS MB, CPU
+    seconds)`` on ``out`` when it ends."""
+
+    def __init__(self, url: str, target: Callable[..., None], args: list[tuple[Any, ...]]) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.out = ctx.Queue()
+        ready, self._go = ctx.Semaphore(0), ctx.Event()
+        self._ready = ready
+        self.procs = [
+            ctx.Process(target=target, args=(*a, self.out, ready, self._go)) for a in args
+        ]
+        self._server = ServerCpu.of(url)
+        self.startup_s = self.seconds = self.sandbox_cpu_s = 0.0
+        self.server_cpu_s: float | None = None
+
+    def release(self) -> None:
+        launched = time.perf_counter()
+        for p in self.procs:
+            p.start()
+        for _ in self.procs:
+            if not self._ready.acquire(timeout=120):  # bounded: a process that never starts
+                raise RuntimeError("a drain process did not start within 120 s")
+        self.startup_s = time.perf_counter() - launched
+        self._cpu_began = time.process_time()
+        self._server_began = self._server.seconds() if self._server is not None else 0.0
+        self.started = time.perf_counter()
+        self._go.set()
+
+    def clock(self) -> None:
+        """The drain is over: wall time and CPU from the release."""
+        self.seconds = time.perf_counter() - self.started
+        self.sandbox_cpu_s = time.process_time() - self._cpu_began
+        if self._server is not None:
+            self.server_cpu_s = self._server.seconds() - self._server_began
+
+    def reports(self, timeout: float) -> list[tuple[float, float]]:
+        reports = [self.out.get(timeout=timeout) for _ in self.procs]
+        for p in self.procs:
+            p.join(timeout=60)
+        return reports
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+
+    def result(
+        self, reports: list[tuple[float, float]], *, n: int, concurrency: int, latency: float
+    ) -> DrainResult:
+        return DrainResult(
+            daemons=len(self.procs),
+            operations=n,
+            concurrency=concurrency,
+            latency_ms=latency * 1000,
+            seconds=self.seconds,
+            settled=0,
+            max_rss_mb=max(r[0] for r in reports) if reports else 0.0,
+            double_checked=0,
+            effects=0,
+            startup_s=self.startup_s,
+            daemon_cpu_s=sum(r[1] for r in reports),
+            sandbox_cpu_s=self.sandbox_cpu_s,
+            server_cpu_s=self.server_cpu_s,
+        )
+
+
 def drain(
     url: str,
     sandbox: SandboxServer,
@@ -255,43 +324,23 @@ def drain(
     limit_s: float = 600.0,
 ) -> DrainResult:
     """``url`` must hold ``n`` due operations (see :func:`make_backlog`)."""
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    ready, go = ctx.Semaphore(0), ctx.Event()
-    procs = [
-        ctx.Process(
-            target=_daemon,
-            args=(url, sandbox.url, f"drain-{d}", concurrency, latency, out, ready, go),
-        )
-        for d in range(daemons)
-    ]
-    server = ServerCpu.of(url)
+    procs = _Processes(
+        url,
+        _daemon,
+        [(url, sandbox.url, f"drain-{d}", concurrency, latency) for d in range(daemons)],
+    )
     store = Store.from_url(url)
     try:
-        launched = time.perf_counter()
-        for p in procs:
-            p.start()
-        for _ in procs:
-            if not ready.acquire(timeout=120):  # bounded: a daemon that never starts
-                raise RuntimeError("a drain daemon did not start within 120 s")
-        startup = time.perf_counter() - launched
-        cpu_began = time.process_time()
-        server_began = server.seconds() if server is not None else 0.0
-        started = time.perf_counter()
-        go.set()
-        while time.perf_counter() - started < limit_s:  # bounded
+        procs.release()
+        while time.perf_counter() - procs.started < limit_s:  # bounded
             time.sleep(0.05)
             if not _any_active(store):
                 break
-        seconds = time.perf_counter() - started  # from the release of ready daemons
-        sandbox_cpu = time.process_time() - cpu_began
-        server_cpu = server.seconds() - server_began if server is not None else None
+        procs.clock()
         settled = _settled(store)
-        for p in procs:
+        for p in procs.procs:
             os.kill(p.pid or 0, signal.SIGTERM)
-        reports = [out.get(timeout=60) for _ in procs]
-        for p in procs:
-            p.join(timeout=60)
+        reports = procs.reports(60)
         with store.engine.connect() as conn:
             per_op = conn.execute(
                 sa.select(events.c.operation_id, sa.func.count())
@@ -300,9 +349,7 @@ def drain(
             ).all()
         ids = {op for op, _ in per_op}
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+        procs.kill()
         store.close()
     # One pass over the ledger: effects_for() per operation copies the ledger each time.
     effects = sum(
@@ -310,20 +357,12 @@ def drain(
         for e in sandbox.ledger()
         if e["metadata"].get("operation_id") in ids and e["status"] in ("succeeded", "processing")
     )
-    return DrainResult(
-        daemons=daemons,
-        operations=n,
-        concurrency=concurrency,
-        latency_ms=latency * 1000,
-        seconds=seconds,
+    result = procs.result(reports, n=n, concurrency=concurrency, latency=latency)
+    return replace(
+        result,
         settled=settled,
-        max_rss_mb=max(r[0] for r in reports) if reports else 0.0,
         double_checked=sum(1 for _, c in per_op if c > 1),
         effects=effects,
-        startup_s=startup,
-        daemon_cpu_s=sum(r[1] for r in reports),
-        sandbox_cpu_s=sandbox_cpu,
-        server_cpu_s=server_cpu,
     )
 
 
@@ -432,60 +471,23 @@ def floor_drain(
 ) -> DrainResult:
     """The drain's floor on ``n`` due operations (see :func:`make_due_again`): ``processes``
     bare daemons (:func:`_floor_daemon`). What payorch's daemons are compared with."""
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    ready, go = ctx.Semaphore(0), ctx.Event()
-    procs = [
-        ctx.Process(
-            target=_floor_daemon,
-            args=(conninfo, sandbox.url, concurrency, latency, out, ready, go),
-        )
-        for _ in range(processes)
-    ]
-    server = ServerCpu.of(url)
+    procs = _Processes(
+        url, _floor_daemon, [(conninfo, sandbox.url, concurrency, latency)] * processes
+    )
     try:
-        launched = time.perf_counter()
-        for p in procs:
-            p.start()
-        for _ in procs:
-            if not ready.acquire(timeout=120):  # bounded: a process that never starts
-                raise RuntimeError("a floor drain process did not start within 120 s")
-        startup = time.perf_counter() - launched
-        cpu_began = time.process_time()
-        server_began = server.seconds() if server is not None else 0.0
-        started = time.perf_counter()
-        go.set()
-        reports = [out.get(timeout=limit_s) for _ in procs]  # bounded; each ends when none is due
-        seconds = time.perf_counter() - started
-        sandbox_cpu = time.process_time() - cpu_began
-        server_cpu = server.seconds() - server_began if server is not None else None
-        for p in procs:
-            p.join(timeout=60)
+        procs.release()
+        reports = procs.reports(limit_s)  # bounded; each ends when nothing is left due
+        procs.clock()
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+        procs.kill()
     store = Store.from_url(url)
     try:
         settled = _settled(store)
     finally:
         store.close()
-    return DrainResult(
-        daemons=processes,
-        operations=n,
-        concurrency=concurrency,
-        latency_ms=latency * 1000,
-        seconds=seconds,
-        settled=settled,
-        max_rss_mb=max(r[0] for r in reports) if reports else 0.0,
-        double_checked=0,  # not recorded: the floor writes no events
-        effects=0,
-        startup_s=startup,
-        daemon_cpu_s=sum(r[1] for r in reports),
-        sandbox_cpu_s=sandbox_cpu,
-        server_cpu_s=server_cpu,
-        floor=True,
-    )
+    # The floor writes no events: checks twice and effects are not recorded.
+    result = procs.result(reports, n=n, concurrency=concurrency, latency=latency)
+    return replace(result, settled=settled, floor=True)
 
 
 def print_drain(console: Console, results: list[DrainResult]) -> None:

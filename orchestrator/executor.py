@@ -336,6 +336,7 @@ def submit_and_record(
         downstream_key=record.downstream_key,
         payload=payload,
         idempotency_key=record.idempotency_key,
+        fingerprint=record.fingerprint,
     )
     # What the provider echoes of a sensitive value is stored nowhere (evidence, response).
     redactor = Redactor.of(record.request, payload)

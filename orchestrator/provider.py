@@ -23,6 +23,7 @@ from .deadline import DeadlineExceeded, asend_with_deadline, send_with_deadline
 
 __all__ = [
     "RAW_EVIDENCE_LIMIT",
+    "TAG_FINGERPRINT",
     "TAG_KEY",
     "TAG_LEGACY_OPERATION_ID",
     "TAG_OPERATION",
@@ -98,29 +99,43 @@ TAG_REF = "payorch_ref"
 TAG_TENANT = "payorch_tenant_id"
 TAG_OPERATION = "payorch_operation"
 TAG_KEY = "payorch_idempotency_key"
+# The request's fingerprint: with the three above, enough to adopt an effect whose claim
+# was lost as the operation its client's retry will find (``payorch effects``).
+TAG_FINGERPRINT = "payorch_fingerprint"
 # Sent before downstream keys came from the namespace; still sent for those operations, so
 # a re-submission repeats their first request exactly.
 TAG_LEGACY_OPERATION_ID = "payorch_operation_id"
 
 
 def provider_tags(
-    *, tenant_id: str, operation: str, idempotency_key: str, operation_id: str, downstream_key: str
+    *,
+    tenant_id: str,
+    operation: str,
+    idempotency_key: str,
+    operation_id: str,
+    downstream_key: str,
+    fingerprint: str = "",
 ) -> dict[str, str]:
     """What payorch adds to a provider request's metadata, from the namespace alone.
 
     Adapters send these (and nothing else of payorch's) so that an effect can be found and
     explained by its namespace: a status query searches by ``payorch_ref``, and an effect no
     stored operation explains can be adopted under ``(tenant, operation, key)``. An operation
-    whose downstream key is of the earlier, id-derived form keeps its earlier tags.
+    whose downstream key is of the earlier, id-derived form keeps its earlier tags. The
+    fingerprint is the request's own (the same fields give the same one, and other fields
+    would be another request under the key, which the provider refuses).
     """
     if not is_namespace_key(downstream_key):
         return {TAG_LEGACY_OPERATION_ID: operation_id, TAG_TENANT: tenant_id}
-    return {
+    tags = {
         TAG_REF: downstream_key.split(":")[1],
         TAG_TENANT: tenant_id,
         TAG_OPERATION: operation,
         TAG_KEY: idempotency_key,
     }
+    if fingerprint:
+        tags[TAG_FINGERPRINT] = fingerprint
+    return tags
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,6 +147,7 @@ class SubmitRequest:
     downstream_key: str  # sent as the provider's idempotency key, identical on every attempt
     payload: Mapping[str, Any]  # the validated request, sensitive fields included
     idempotency_key: str = ""  # the client's key: the namespace's third part
+    fingerprint: str = ""  # of the effect fields, as the claim stored it
 
     @property
     def tags(self) -> dict[str, str]:
@@ -148,6 +164,7 @@ class StatusQuery:
     provider_reference: str | None
     payload: Mapping[str, Any] = field(default_factory=dict)
     idempotency_key: str = ""
+    fingerprint: str = ""
     # When this claim was made (the database clock). After a failover that lost the first
     # claim, the key was first used earlier than this: never search from it as a lower bound.
     created_at: datetime | None = None
@@ -165,6 +182,7 @@ def _tags_of(call: SubmitRequest | StatusQuery) -> dict[str, str]:
         idempotency_key=call.idempotency_key,
         operation_id=call.operation_id,
         downstream_key=call.downstream_key,
+        fingerprint=call.fingerprint,
     )
 
 

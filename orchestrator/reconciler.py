@@ -283,6 +283,7 @@ class Reconciler:
                 provider_reference=record.provider_reference,
                 payload=record.request or {},
                 idempotency_key=record.idempotency_key,
+                fingerprint=record.fingerprint,
                 created_at=record.created_at,
             )
         )

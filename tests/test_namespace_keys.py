@@ -242,6 +242,7 @@ def test_submit_request_tags_are_what_the_sandbox_receives(
         downstream_key=record.downstream_key,
         payload={},
         idempotency_key="order-tags",
+        fingerprint=record.fingerprint,
     ).tags
     (effect,) = sandbox.ledger()
     assert {k: v for k, v in effect["metadata"].items() if k.startswith("payorch_")} == expected

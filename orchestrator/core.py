@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from decimal import Decimal
 from typing import Any
 
+import http_sf
 import rfc8785
 
 from .errors import (
@@ -33,10 +34,13 @@ __all__ = [
     "TERMINAL_STATES",
     "State",
     "backoff_delay",
+    "canonical_idempotency_key",
     "check_encodable",
     "check_transition",
     "downstream_key",
     "fingerprint",
+    "is_namespace_key",
+    "namespace_ref",
     "operation_id_from_downstream_key",
     "safe_text",
     "validate_idempotency_key",
@@ -96,6 +100,31 @@ def validate_idempotency_key(key: object) -> str:
     if not _KEY_RE.fullmatch(key):
         raise InvalidIdempotencyKey("idempotency key must be printable ASCII without spaces")
     return key
+
+
+def canonical_idempotency_key(key: object) -> str:
+    """The one form of a key, as ``validate_idempotency_key`` accepts it.
+
+    Two spellings name one key (the rule of ``payorch.http``): the draft's RFC 8941
+    sf-string (``"abc-19"``, with ``\\"`` and ``\\\\`` escapes) and the bare token
+    (``abc-19``). A service that hands ``execute()`` the raw header gets the same namespace
+    as one that strips the quotes. A value that opens a quote but is no sf-string is refused.
+    """
+    if isinstance(key, str) and key.startswith('"'):
+        try:
+            parsed = http_sf.parse(key.encode("ascii"), tltype="item")
+        except (http_sf.StructuredFieldError, UnicodeEncodeError):
+            raise InvalidIdempotencyKey(
+                "idempotency key opens a quote but is not one RFC 8941 quoted string"
+            ) from None
+        if not isinstance(parsed, tuple) or not isinstance(parsed[0], str) or parsed[1]:
+            raise InvalidIdempotencyKey("idempotency key must be one quoted string or a bare key")
+        key = parsed[0]
+        if key.startswith('"'):
+            # Else the form would depend on how often it was unquoted: the rule must be
+            # idempotent itself (payorch.http unquotes, then execute() looks again).
+            raise InvalidIdempotencyKey("idempotency key may not itself begin with a quote")
+    return validate_idempotency_key(key)
 
 
 def validate_tenant(tenant_id: object) -> str:
@@ -253,22 +282,46 @@ def fingerprint(effect: Mapping[str, Any]) -> str:
 
 
 _DOWNSTREAM_PREFIX = "payorch"
+_REF_LENGTH = 32  # hex digits: 128 bits of SHA-256, and a key of at most 64 characters
+_REF_RE = re.compile(f"[0-9a-f]{{{_REF_LENGTH}}}")
+_STEP_RE = re.compile(r"[a-z_]{1,20}")
 
 
-def downstream_key(operation_id: str, step: str = "submit") -> str:
-    """The provider idempotency key: a pure function of operation id and step.
+def namespace_ref(tenant_id: str, operation: str, idempotency_key: str) -> str:
+    """The name of a namespace that crosses to the provider: 32 hex digits of SHA-256.
 
-    Never random: a re-submission after a crash must reuse exactly the same key.
+    A pure function of ``(tenant, operation, key)`` (the three are joined by NUL, which none
+    of them may contain): a claim lost in a database failover and re-created by the client's
+    retry has the same ref, so it sends the same downstream key and the same metadata, and
+    the provider's own idempotency answers it. The operation id never crosses.
     """
-    if not re.fullmatch(r"[a-z_]+", step):
-        raise ValueError(f"step {step!r} must be lower-case letters")
-    return f"{_DOWNSTREAM_PREFIX}:{operation_id}:{step}"
+    joined = "\x00".join((tenant_id, operation, idempotency_key)).encode("utf-8")
+    return hashlib.sha256(b"payorch-namespace\x00" + joined).hexdigest()[:_REF_LENGTH]
+
+
+def downstream_key(ref: str, step: str = "submit") -> str:
+    """The provider idempotency key: ``payorch:<namespace ref>:<step>`` (at most 61 chars).
+
+    Never random, never per claim: a re-submission, after a crash or after a failover that
+    lost the claim, reuses exactly the same key.
+    """
+    if not _STEP_RE.fullmatch(step):
+        raise ValueError(f"step {step!r} must be 1-20 lower-case letters")
+    return f"{_DOWNSTREAM_PREFIX}:{ref}:{step}"
+
+
+def is_namespace_key(key: str) -> bool:
+    """Whether ``key`` is a downstream key of today's form (a namespace ref inside)."""
+    parts = key.split(":")
+    return len(parts) == 3 and parts[0] == _DOWNSTREAM_PREFIX and bool(_REF_RE.fullmatch(parts[1]))
 
 
 def operation_id_from_downstream_key(key: str) -> str | None:
+    """The operation id inside a downstream key of the earlier form (``payorch:<id>:<step>``,
+    sent before keys derived from the namespace); None for any other key."""
     parts = key.split(":")
-    if len(parts) == 3 and parts[0] == _DOWNSTREAM_PREFIX:
-        return parts[1]
+    if len(parts) == 3 and parts[0] == _DOWNSTREAM_PREFIX and not _REF_RE.fullmatch(parts[1]):
+        return parts[1] or None
     return None
 
 

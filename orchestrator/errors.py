@@ -34,7 +34,8 @@ and may have reached the provider. No error ever invites a new key.
     ├── ConfigurationError                  500  refused at start-up (or a type's default
     │                                            provider missing from the executor)
     ├── ProviderError                       502
-    │   └── ProviderIdempotencyError        502  provider says our key was reused differently
+    │   ├── ProviderIdempotencyError        502  provider says our key was reused differently
+    │   └── ProviderUnavailable             503  + retry_after; nothing was sent: same key
     ├── WebhookRejected                     400
     │   ├── WebhookSignatureInvalid         400  missing/bad signature or stale timestamp
     │   └── WebhookMalformed                400  not JSON / not the provider's shape
@@ -69,6 +70,7 @@ __all__ = [
     "PayorchError",
     "ProviderError",
     "ProviderIdempotencyError",
+    "ProviderUnavailable",
     "RequestBodyNotJson",
     "RequestValidationFailed",
     "StaleVersion",
@@ -211,6 +213,31 @@ class ProviderError(PayorchError):
 
 class ProviderIdempotencyError(ProviderError):
     problem_type = "urn:payorch:problem:provider-idempotency-error"
+
+
+class ProviderUnavailable(ProviderError):
+    """Every attempt was certainly not sent (connect errors, 429, the provider down): no
+    money moved, and nothing is stored as this key's outcome. Retry **the same key** after
+    ``retry_after`` seconds: it runs again, with the same downstream key. ``code`` is the
+    provider's reason (e.g. ``rate_limited``); ``operation_id`` the operation kept for it.
+    """
+
+    http_status = 503
+    problem_type = "urn:payorch:problem:provider-unavailable"
+    retry_after: float = 5.0
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        operation_id: str | None = None,
+        retry_after: float | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message, operation_id=operation_id)
+        if retry_after is not None:
+            self.retry_after = retry_after
+        self.code = code
 
 
 class WebhookRejected(PayorchError):

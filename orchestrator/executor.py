@@ -28,6 +28,7 @@ from .errors import (
     InvalidRequest,
     OutcomeNotRecorded,
     ProviderIdempotencyError,
+    ProviderUnavailable,
     StaleVersion,
     StorageError,
     UnknownProvider,
@@ -262,8 +263,21 @@ class Executor:
                 operation_id=op_id,
                 retry_after=exc.retry_after,
             ) from exc
+        if record.released:
+            # Certainly not sent: nothing stored as this key's answer; the same key runs again.
+            raise _not_sent(record)
         seen.finished("fresh", started, record.state)
         return record, False
+
+
+def _not_sent(record: OperationRecord) -> ProviderUnavailable:
+    code = record.error_code or "provider_unavailable"
+    return ProviderUnavailable(
+        f"operation {record.id}: no attempt reached provider {record.provider!r} ({code}); "
+        "nothing was charged: retry with the same idempotency key after Retry-After seconds",
+        operation_id=record.id,
+        code=code,
+    )
 
 
 _LATE_RACES = 5  # attempts to fence a late conflict's flag before only recording it
@@ -309,9 +323,11 @@ def submit_and_record(
     """Submit ``record`` (lease held by ``owner``, attempt marked possibly sent) and record
     the classified answer. Shared by the executor and the reconciler's re-submission.
 
-    ``not_sent_is_final=False`` (re-submission): when no attempt got through, the operation
-    stays ``outcome_unknown`` for a later check instead of failing, because an earlier
-    attempt, outside this call, may still surface at the provider.
+    When no attempt got through, the operation is released (``in_progress``, leased by
+    nobody, nothing possibly sent: :attr:`OperationRecord.released`) and no outcome is
+    stored; the executor then raises ``ProviderUnavailable``. ``not_sent_is_final=False``
+    (re-submission): it stays ``outcome_unknown`` for a later check instead, because an
+    earlier attempt, outside this call, may still surface at the provider.
     """
     request = SubmitRequest(
         tenant_id=record.tenant_id,
@@ -319,6 +335,8 @@ def submit_and_record(
         operation_id=record.id,
         downstream_key=record.downstream_key,
         payload=payload,
+        idempotency_key=record.idempotency_key,
+        fingerprint=record.fingerprint,
     )
     # What the provider echoes of a sensitive value is stored nowhere (evidence, response).
     redactor = Redactor.of(record.request, payload)
@@ -381,7 +399,8 @@ def submit_and_record(
             "resolution": actor_kind if decision.state.terminal else None,
             "provider_reference": decision.provider_reference,
         }
-        if answer.kind is AnswerKind.NOT_SENT and not_sent_is_final:
+        released = answer.kind is AnswerKind.NOT_SENT and not_sent_is_final
+        if released:
             values["possibly_sent"] = False  # every attempt was refused before sending
         if attention:
             values["needs_attention"] = True
@@ -390,7 +409,7 @@ def submit_and_record(
                 store,
                 record,
                 decision.state,
-                kind=actor_kind,
+                kind="not_sent" if released else actor_kind,
                 actor=owner,
                 detail=detail,
                 next_check_in=decision.next_check_in,

@@ -4,14 +4,16 @@ The FastAPI and Django integrations (and any hand-written endpoint) do three thi
 read the key with :func:`parse_idempotency_key` (and the body with :func:`parse_json_body`),
 call ``execute()``, and send what :func:`http_answer` (or :func:`webhook_answer`) returns.
 ``../docs/http.md`` has the whole table; in short, every answer says what the client does
-next, and only a stored failure with nothing sent invites a new key:
+next, and none invites a new key: a decline is the key's final answer, and every 503 means
+"retry the same key":
 
 =============================================  ======  =========================================
 situation                                      status  next step
 =============================================  ======  =========================================
 succeeded (first time or replayed)             200/201 ``Idempotent-Replayed: true`` on a replay
 declined / failed_final                        402     the stored failure, replayed alike
-failed_final, nothing sent                     503     ``retry: new_key`` after ``Retry-After``
+nothing sent (every attempt refused before     503     ``retry: same_key`` after ``Retry-After``;
+it reached the provider)                               the key runs again, nothing was stored
 outcome_unknown                                202     ``retry: same_key``; ``Location`` to poll
 in progress                                    409     ``same_key`` after ``Retry-After``
 key reused with other effect fields            422     type ``…:idempotency-key-reused``
@@ -43,6 +45,7 @@ from .errors import (
     OperationInProgress,
     OutcomeNotRecorded,
     PayorchError,
+    ProviderUnavailable,
     RequestBodyNotJson,
     RequestValidationFailed,
     StorageError,
@@ -75,7 +78,7 @@ REPLAYED_HEADER = "Idempotent-Replayed"
 JSON = "application/json"
 PROBLEM_JSON = "application/problem+json"
 SAME_KEY = "same_key"
-NEW_KEY = "new_key"
+NEW_KEY = "new_key"  # no answer carries it since 0.2 (every 503 is same_key); kept for callers
 # A stored "nothing was sent" failure keeps no provider Retry-After; its inline retries
 # already waited, so a client should not come straight back.
 FAILED_NOT_SENT_RETRY_AFTER = 5
@@ -90,6 +93,10 @@ _NOT_RECORDED_DETAIL = (
     "the operation may exist and may have reached the provider, but its outcome is not "
     "recorded yet; retry with the same idempotency key after Retry-After seconds, never "
     "with a new one"
+)
+_NOT_SENT_DETAIL = (
+    "the provider could not be reached and no request was sent, so nothing was charged; "
+    "retry with the same idempotency key after Retry-After seconds, never with a new one"
 )
 _INTERNAL_DETAIL = (
     "the server failed to handle the request; retry with the same idempotency key later, "
@@ -273,6 +280,13 @@ def _error_answer(err: PayorchError, *, status: int | None = None) -> HttpAnswer
         detail = _NOT_RECORDED_DETAIL if not_recorded else _STORAGE_DETAIL
         headers["Retry-After"] = _seconds(err.retry_after)
         ext["retry"] = SAME_KEY
+    elif isinstance(err, ProviderUnavailable):
+        # Nothing reached the provider and nothing is stored: the same key runs again.
+        detail = _NOT_SENT_DETAIL
+        headers["Retry-After"] = _seconds(err.retry_after)
+        ext["retry"] = SAME_KEY
+        if err.code:
+            ext["code"] = err.code
     elif status >= 500:
         # Configuration and provider errors may name internals; same key is always safe.
         detail = _INTERNAL_DETAIL
@@ -302,10 +316,10 @@ def _outcome_answer(result: Outcome, success_status: int, location: str | None) 
         body["message"] = _UNKNOWN_MESSAGE
         body["retry"] = SAME_KEY
     if status == 503:
-        # Stored failed_final with nothing sent: this key's answer is final, and a new key is
-        # safe because no request reached the provider.
+        # Every 503 means the same key (nothing sent is no longer stored as an outcome; the
+        # 0003 migration reopened the ones stored before).
         headers["Retry-After"] = str(FAILED_NOT_SENT_RETRY_AFTER)
-        body["retry"] = NEW_KEY if result.state is State.FAILED_FINAL else SAME_KEY
+        body["retry"] = SAME_KEY
     if location is not None and status in (201, 202):
         headers["Location"] = location  # the created operation / where to poll it
     return HttpAnswer(status=status, body=body, headers=headers, content_type=JSON)

@@ -27,10 +27,10 @@ from pydantic_core import PydanticSerializationError
 from pydantic_extra_types.currency_code import ISO4217
 
 from .core import (
+    canonical_idempotency_key,
     check_encodable,
     fingerprint,
     safe_text,
-    validate_idempotency_key,
     validate_operation_name,
     validate_tenant,
 )
@@ -231,7 +231,8 @@ class Registry:
     ) -> Prepared:
         """Validate everything before anything is written: a refusal here reserves nothing."""
         validate_tenant(tenant_id)
-        validate_idempotency_key(idempotency_key)
+        # The sf-string form and the bare token are one key (as payorch.http reads them).
+        idempotency_key = canonical_idempotency_key(idempotency_key)
         op_type = self.get(operation)
         provider_name = provider or op_type.provider
         if not provider_name:

@@ -12,7 +12,6 @@ from .provider import Answer, AnswerKind
 from .records import OperationRecord
 
 __all__ = [
-    "ABANDONED",
     "Decision",
     "Outcome",
     "contradicts",
@@ -123,19 +122,13 @@ def decide(
             provider_reference=ref,
         )
     if answer.kind is AnswerKind.NOT_SENT and not_sent_is_final:
-        # Certain that nothing reached the provider: a final failure the client may retry
-        # with a new key. A refusal of our credentials keeps its own code: it is a
-        # configuration fault for the operator, not an outage.
-        code = "provider_auth_failed" if answer.code == "provider_auth_failed" else None
+        # Certain that nothing reached the provider: no outcome is stored (a transient
+        # failure is not an answer to the key). The operation is released, in_progress and
+        # leased by nobody, and the namespace's next request runs it again.
         return Decision(
-            state=State.FAILED_FINAL,
-            response={
-                "status": "failed",
-                "http_status": 503,
-                "code": code or "provider_unavailable",
-                "message": answer.message or answer.code,
-            },
-            error_code=code or "provider_unavailable",
+            state=State.IN_PROGRESS,
+            response=None,
+            error_code=answer.code or "provider_unavailable",
             provider_reference=ref,
         )
     delay = pending_check if answer.kind is AnswerKind.PENDING else first_check
@@ -193,17 +186,3 @@ def late_conflict(state: State, reference: str | None, answer: Answer) -> str | 
     if final_state(answer.kind) is state and reference and other and other != reference:
         return f"the provider answered with {other}; the operation settled with {reference}"
     return None
-
-
-# An in_progress operation whose lease expired and that never possibly sent anything.
-ABANDONED = Decision(
-    state=State.FAILED_FINAL,
-    response={
-        "status": "failed",
-        "http_status": 503,
-        "code": "abandoned",
-        "message": "no request reached the provider",
-    },
-    error_code="abandoned",
-    provider_reference=None,
-)

@@ -14,7 +14,6 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from .core import downstream_key
 from .db import run_sql, run_sql_rows
 from .errors import CorruptRecord, StaleVersion, StorageError
 from .records import OPERATION_COLUMNS, NewOperation, OperationRecord
@@ -57,7 +56,7 @@ def claim(
         "idempotency_key": new.idempotency_key,
         "fingerprint": new.fingerprint,
         "provider": new.provider,
-        "downstream_key": downstream_key(op_id),
+        "downstream_key": new.downstream_key,
         "amount": new.amount,
         "currency": new.currency,
         "request": json_param(new.request),

@@ -18,10 +18,17 @@ from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
+from .core import is_namespace_key
 from .deadline import DeadlineExceeded, asend_with_deadline, send_with_deadline
 
 __all__ = [
     "RAW_EVIDENCE_LIMIT",
+    "TAG_FINGERPRINT",
+    "TAG_KEY",
+    "TAG_LEGACY_OPERATION_ID",
+    "TAG_OPERATION",
+    "TAG_REF",
+    "TAG_TENANT",
     "Answer",
     "AnswerKind",
     "AsyncProvider",
@@ -36,6 +43,7 @@ __all__ = [
     "bounded_raw",
     "call_budget",
     "parse_retry_after",
+    "provider_tags",
     "send_with_deadline",
 ]
 
@@ -86,23 +94,96 @@ class Answer:
         return out
 
 
+# The metadata keys payorch adds to what it sends: each a pure function of the namespace.
+TAG_REF = "payorch_ref"
+TAG_TENANT = "payorch_tenant_id"
+TAG_OPERATION = "payorch_operation"
+TAG_KEY = "payorch_idempotency_key"
+# The request's fingerprint: with the three above, enough to adopt an effect whose claim
+# was lost as the operation its client's retry will find (``payorch effects``).
+TAG_FINGERPRINT = "payorch_fingerprint"
+# Sent before downstream keys came from the namespace; still sent for those operations, so
+# a re-submission repeats their first request exactly.
+TAG_LEGACY_OPERATION_ID = "payorch_operation_id"
+
+
+def provider_tags(
+    *,
+    tenant_id: str,
+    operation: str,
+    idempotency_key: str,
+    operation_id: str,
+    downstream_key: str,
+    fingerprint: str = "",
+) -> dict[str, str]:
+    """What payorch adds to a provider request's metadata, from the namespace alone.
+
+    Adapters send these (and nothing else of payorch's) so that an effect can be found and
+    explained by its namespace: a status query searches by ``payorch_ref``, and an effect no
+    stored operation explains can be adopted under ``(tenant, operation, key)``. An operation
+    whose downstream key is of the earlier, id-derived form keeps its earlier tags. The
+    fingerprint is the request's own (the same fields give the same one, and other fields
+    would be another request under the key, which the provider refuses).
+    """
+    if not is_namespace_key(downstream_key):
+        return {TAG_LEGACY_OPERATION_ID: operation_id, TAG_TENANT: tenant_id}
+    tags = {
+        TAG_REF: downstream_key.split(":")[1],
+        TAG_TENANT: tenant_id,
+        TAG_OPERATION: operation,
+        TAG_KEY: idempotency_key,
+    }
+    if fingerprint:
+        tags[TAG_FINGERPRINT] = fingerprint
+    return tags
+
+
 @dataclass(frozen=True, kw_only=True)
 class SubmitRequest:
     tenant_id: str
     operation: str  # e.g. "payment.create"
+    # payorch's own id: for logs and traces; never sent (a failover may re-create it).
     operation_id: str
     downstream_key: str  # sent as the provider's idempotency key, identical on every attempt
     payload: Mapping[str, Any]  # the validated request, sensitive fields included
+    idempotency_key: str = ""  # the client's key: the namespace's third part
+    fingerprint: str = ""  # of the effect fields, as the claim stored it
+
+    @property
+    def tags(self) -> dict[str, str]:
+        """The metadata to send with it (:func:`provider_tags`)."""
+        return _tags_of(self)
 
 
 @dataclass(frozen=True, kw_only=True)
 class StatusQuery:
     tenant_id: str
     operation: str
-    operation_id: str
+    operation_id: str  # never sent; see SubmitRequest
     downstream_key: str
     provider_reference: str | None
     payload: Mapping[str, Any] = field(default_factory=dict)
+    idempotency_key: str = ""
+    fingerprint: str = ""
+    # When this claim was made (the database clock). After a failover that lost the first
+    # claim, the key was first used earlier than this: never search from it as a lower bound.
+    created_at: datetime | None = None
+
+    @property
+    def tags(self) -> dict[str, str]:
+        """The metadata its operation was submitted with (:func:`provider_tags`)."""
+        return _tags_of(self)
+
+
+def _tags_of(call: SubmitRequest | StatusQuery) -> dict[str, str]:
+    return provider_tags(
+        tenant_id=call.tenant_id,
+        operation=call.operation,
+        idempotency_key=call.idempotency_key,
+        operation_id=call.operation_id,
+        downstream_key=call.downstream_key,
+        fingerprint=call.fingerprint,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

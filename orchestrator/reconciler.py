@@ -25,7 +25,7 @@ from .core import State, backoff_delay
 from .errors import ConfigurationError, CorruptRecord, StaleVersion
 from .executor import RetryPolicy, owner_of_this_process, submit_and_record
 from .operations import REDACTED
-from .outcome import ABANDONED, Decision, settled
+from .outcome import Decision, settled
 from .provider import AnswerKind, Provider, StatusQuery
 from .reconcile_policy import DEFAULT_CONCURRENCY, ReconcileReport, ReconcilerPolicy
 from .records import OperationRecord
@@ -262,8 +262,12 @@ class Reconciler:
     def check(self, record: OperationRecord, now: datetime) -> str:
         """Settle one leased operation from evidence; returns what happened (for reports)."""
         if record.state is State.IN_PROGRESS and not record.possibly_sent:
+            # No money can have moved, so no outcome is stored for it: released, the
+            # namespace's next request runs it again (same downstream key).
             reason = {"reason": "lease expired and no attempt was possibly sent"}
-            self._finish(record, ABANDONED, kind="abandoned", detail=reason)
+            self._write(
+                record, State.IN_PROGRESS, kind="abandoned", actor=self.owner, detail=reason
+            )
             return "abandoned"
         provider = self.providers.get(record.provider)
         if provider is None:
@@ -278,6 +282,9 @@ class Reconciler:
                 downstream_key=record.downstream_key,
                 provider_reference=record.provider_reference,
                 payload=record.request or {},
+                idempotency_key=record.idempotency_key,
+                fingerprint=record.fingerprint,
+                created_at=record.created_at,
             )
         )
         metrics.for_provider(provider.name).answered(

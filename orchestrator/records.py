@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from .core import State
+from .core import State, downstream_key, namespace_ref
 from .errors import CorruptRecord
 from .tables import Undecodable
 
@@ -147,6 +147,11 @@ class NewOperation:
     currency: str | None = None
     retention: timedelta = timedelta(hours=24)
 
+    @property
+    def downstream_key(self) -> str:
+        """The provider idempotency key: from the namespace, never from a per-claim id."""
+        return downstream_key(namespace_ref(self.tenant_id, self.operation, self.idempotency_key))
+
 
 @dataclass(frozen=True, kw_only=True)
 class OperationRecord:
@@ -216,6 +221,15 @@ class OperationRecord:
     def terminal(self) -> bool:
         return self.state.terminal
 
+    @property
+    def released(self) -> bool:
+        """Nothing was sent and nobody holds it: the namespace's next request runs it again.
+
+        What an operation becomes when every attempt was certainly not sent (a transient
+        failure is not stored), or when its worker died before sending (abandoned).
+        """
+        return self.state is State.IN_PROGRESS and not self.possibly_sent and not self.lease_owner
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name in self.__dataclass_fields__:
@@ -263,3 +277,5 @@ class ClaimResult:
     created: bool
     replayed: bool = False
     detail: Mapping[str, Any] = field(default_factory=dict)
+    # The namespace holds a released operation (nothing sent): the claim may run it again.
+    released: bool = False

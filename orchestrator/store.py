@@ -25,7 +25,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Engine
 
 from . import pg_writes
-from .core import State, check_transition, downstream_key
+from .core import State, check_transition
 from .db import create_engine, run_in_transaction, run_statement, schema_of
 from .errors import (
     CommitUncertain,
@@ -61,6 +61,7 @@ _UNSET: Any = object()
 # is likely to stay slow), at least 1 s, at most this, and not past a live lease's expiry.
 IN_PROGRESS_RETRY_CAP = 5.0
 _PG_CLAIM_ATTEMPTS = 3  # then the general transaction decides
+_TAKE_OVER_ATTEMPTS = 3  # racing requests for one released operation: then "in progress"
 
 
 def look_again_after(record: OperationRecord, lease_remaining: float) -> float:
@@ -145,7 +146,52 @@ class Store(Reads, WorkQueue):
         replay a terminal outcome, return an ``outcome_unknown`` one as it stands, refuse a
         changed fingerprint, or report/wait for one in progress (``wait`` bounds the wait).
         ``possibly_sent=True`` records, in the same commit, that the caller is about to send.
+        A released operation (nothing was sent before, :attr:`OperationRecord.released`) is
+        taken over, same fingerprint and downstream key, and returned as ``created``.
         """
+        for _ in range(_TAKE_OVER_ATTEMPTS):
+            result = self._claim_once(
+                new, owner=owner, lease=lease, possibly_sent=possibly_sent, wait=wait
+            )
+            if not result.released:
+                return result
+            try:
+                return self._take_over(result.operation, owner, lease, possibly_sent)
+            except StaleVersion:
+                continue  # another request took it over first: judge the namespace again
+        raise OperationInProgress(
+            f"operation {result.operation.id} is being taken over by another request",
+            operation_id=result.operation.id,
+            retry_after=1.0,
+        )
+
+    def _take_over(
+        self, record: OperationRecord, owner: str, lease: timedelta, possibly_sent: bool
+    ) -> ClaimResult:
+        """Run a released operation again under this claim: the lease and the attempt to
+        come, fenced by version (one of several racing requests wins)."""
+        taken = self.transition(
+            record,
+            State.IN_PROGRESS,
+            kind="reclaimed",
+            actor=owner,
+            detail={"reason": "nothing was sent before: the same key runs again"},
+            lease=lease,
+            lease_owner=owner,
+            possibly_sent=possibly_sent,
+            attempts_delta=1 if possibly_sent else 0,
+        )
+        return ClaimResult(operation=taken, created=True)
+
+    def _claim_once(
+        self,
+        new: NewOperation,
+        *,
+        owner: str,
+        lease: timedelta,
+        possibly_sent: bool,
+        wait: timedelta | None,
+    ) -> ClaimResult:
         op_id = new_id()
         lease_s = lease.total_seconds()
         # Before the read: a waiter need not look again if no NOTIFY for it came since.
@@ -166,7 +212,7 @@ class Store(Reads, WorkQueue):
             "c_fingerprint": new.fingerprint,
             "c_state": State.IN_PROGRESS.value,
             "c_provider": new.provider,
-            "c_downstream_key": downstream_key(op_id),
+            "c_downstream_key": new.downstream_key,
             "c_amount": new.amount,
             "c_currency": new.currency,
             "c_request": dict(new.request) if new.request is not None else None,
@@ -334,6 +380,8 @@ class Store(Reads, WorkQueue):
             return ClaimResult(operation=record, created=False, replayed=True)
         if record.state is State.OUTCOME_UNKNOWN:
             return ClaimResult(operation=record, created=False)
+        if record.released:
+            return ClaimResult(operation=record, created=False, released=True)
         raise OperationInProgress(
             f"operation {record.id} is in progress",
             operation_id=record.id,
@@ -387,11 +435,12 @@ class Store(Reads, WorkQueue):
                 plain[name] = dict(value) if isinstance(value, Mapping) else value
         if lease is not None:
             plain["lease_owner"] = lease_owner
-        # Waiters only ever wait on in_progress: notify when an operation leaves it.
+        # Waiters only ever wait on in_progress: notify when an operation leaves it, or is
+        # released (nothing sent, no lease: a waiter may run it again).
         notify = (
             self.is_postgres
             and record.state is State.IN_PROGRESS
-            and to_state is not State.IN_PROGRESS
+            and (to_state is not State.IN_PROGRESS or (lease is None and possibly_sent is False))
         )
         shape = (
             tuple(sorted(plain)),

@@ -64,6 +64,13 @@ class Reads:
             t.tenant_id == tenant_id, t.provider == provider, t.provider_reference == reference
         )
 
+    def find_by_downstream_key(
+        self, tenant_id: str, provider: str, key: str
+    ) -> OperationRecord | None:
+        """The operation that sent ``key`` (``ix_payorch_operations_downstream``)."""
+        t = operations.c
+        return self._one(t.tenant_id == tenant_id, t.provider == provider, t.downstream_key == key)
+
     def events(self, tenant_id: str, operation_id: str) -> list[EventRecord]:
         def read(conn: Connection) -> list[EventRecord]:
             rows = conn.execute(

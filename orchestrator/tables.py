@@ -192,6 +192,9 @@ operations = sa.Table(
     ),
     sa.Index("ix_payorch_operations_reference", "tenant_id", "provider", "provider_reference"),
     sa.Index("ix_payorch_operations_created", "tenant_id", "created_at"),
+    # Webhooks find the operation by the downstream key that caused the event: since keys
+    # come from the namespace, the key no longer names the operation id.
+    sa.Index("ix_payorch_operations_downstream", "tenant_id", "provider", "downstream_key"),
     # The reconciler's scan reads only non-terminal rows: its cost follows stuck work.
     sa.Index(
         "ix_payorch_operations_active",

@@ -353,7 +353,9 @@ def _poll(
 ) -> OperationRecord:
     delay = first
     current = look(record) if look_first else record
-    while current.state is State.IN_PROGRESS:
+    # A released operation (nothing sent, no lease) is no longer worth waiting for: the
+    # waiter may run it again.
+    while current.state is State.IN_PROGRESS and not current.released:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break

@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from . import logs, metrics, tracing
-from .core import State, operation_id_from_downstream_key, validate_tenant
+from .core import State, is_namespace_key, operation_id_from_downstream_key, validate_tenant
 from .db import read_in_transaction, run_in_transaction
 from .errors import OperationNotFound, StaleVersion, UnknownProvider, WebhookUnstorable
 from .outcome import contradicts, settled
@@ -166,6 +166,11 @@ class WebhookHandler:
         )
 
     def _find(self, tenant_id: str, provider: str, event: WebhookEvent) -> OperationRecord | None:
+        if event.downstream_key and is_namespace_key(event.downstream_key):
+            # Our key names the namespace: the operation is the one that holds it.
+            found = self.store.find_by_downstream_key(tenant_id, provider, event.downstream_key)
+            if found is not None:
+                return found
         op_id = _lookup_id(event.operation_id)
         if op_id is None and event.downstream_key:
             op_id = _lookup_id(operation_id_from_downstream_key(event.downstream_key))

@@ -37,6 +37,7 @@ from payorch.errors import (
     WebhookSignatureInvalid,
 )
 from payorch.provider import (
+    TAG_LEGACY_OPERATION_ID,
     Answer,
     AnswerKind,
     StatusQuery,
@@ -213,7 +214,7 @@ class SandboxProvider:
         payload = dict(request.payload)
         extra = payload.get("metadata")
         metadata = dict(extra) if isinstance(extra, Mapping) else {}
-        metadata.update(operation_id=request.operation_id, tenant_id=request.tenant_id)
+        metadata.update(request.tags)  # from the namespace alone, as the downstream key
         payload["metadata"] = metadata
         return client.build_request(
             "POST",
@@ -376,8 +377,11 @@ class SandboxProvider:
             outcome=outcome,
             provider_reference=_str_or_none(effect.get("id")),
             downstream_key=_str_or_none(effect.get("idempotency_key")),
+            # Effects made before keys came from the namespace carry payorch's operation id.
             operation_id=(
-                _str_or_none(metadata.get("operation_id")) if isinstance(metadata, dict) else None
+                _str_or_none(metadata.get(TAG_LEGACY_OPERATION_ID))
+                if isinstance(metadata, dict)
+                else None
             ),
             occurred_at=occurred_at,
             body=event,

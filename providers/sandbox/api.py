@@ -195,7 +195,7 @@ class Acquirer:
             data = self.ledger.search(
                 lag=self._lag,
                 idempotency_keys=query.get("idempotency_key"),
-                operation_ids=query.get("operation_id"),
+                refs=query.get("payorch_ref"),
             )
             return _json(200, {"data": data})
         if path.startswith("/v1/effects/"):

@@ -84,10 +84,10 @@ class Ledger:
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}  # insertion-ordered: commit order
         self._processing: set[str] = set()  # so settle_due() does not scan the whole ledger
-        # Lookups by idempotency key and by metadata operation_id (a status query's search)
+        # Lookups by idempotency key and by metadata payorch_ref (a status query's search)
         # read these instead of scanning every effect: a provider's search is indexed.
         self._by_key: dict[str, list[str]] = {}
-        self._by_operation: dict[str, list[str]] = {}
+        self._by_ref: dict[str, list[str]] = {}
 
     def commit(
         self,
@@ -118,9 +118,9 @@ class Ledger:
             entry = _Entry(data=data, committed_at=now, settle_at=settle_at, seq=len(self._entries))
             self._entries[data["id"]] = entry
             self._by_key.setdefault(idempotency_key, []).append(data["id"])
-            operation_id = data["metadata"].get("operation_id")
-            if isinstance(operation_id, str):
-                self._by_operation.setdefault(operation_id, []).append(data["id"])
+            ref = data["metadata"].get("payorch_ref")
+            if isinstance(ref, str):
+                self._by_ref.setdefault(ref, []).append(data["id"])
             if settle_at is not None:
                 self._processing.add(data["id"])
             self._changed_locked(data)
@@ -175,11 +175,11 @@ class Ledger:
         *,
         lag: float,
         idempotency_keys: list[str] | None = None,
-        operation_ids: list[str] | None = None,
+        refs: list[str] | None = None,
     ) -> list[dict[str, Any]]:
-        """Visible effects with one of ``idempotency_keys`` and (AND) one of
-        ``operation_ids`` (a filter that is None matches all), in commit order."""
-        if idempotency_keys is None and operation_ids is None:
+        """Visible effects with one of ``idempotency_keys`` and (AND) one of ``refs``
+        (metadata ``payorch_ref``; a filter that is None matches all), in commit order."""
+        if idempotency_keys is None and refs is None:
             return self.visible(lag=lag)
         self.settle_due()
         horizon = self._clock.monotonic() - lag
@@ -187,7 +187,7 @@ class Ledger:
             found: set[str] | None = None
             for index, wanted in (
                 (self._by_key, idempotency_keys),
-                (self._by_operation, operation_ids),
+                (self._by_ref, refs),
             ):
                 if wanted is not None:
                     ids = {effect for value in wanted for effect in index.get(value, ())}

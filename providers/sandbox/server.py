@@ -193,13 +193,20 @@ class SandboxServer:
         """Every entry, status lag ignored."""
         return self._acquirer.ledger.entries()
 
-    def effects_for(self, operation_id: str) -> list[dict[str, Any]]:
-        return [e for e in self.ledger() if e["metadata"].get("operation_id") == operation_id]
+    def effects_for(self, key: str) -> list[dict[str, Any]]:
+        """Effects made under ``key``: a downstream key (or a namespace ref) as payorch sent
+        it, or, for effects made before keys came from the namespace, an operation id."""
+        return [
+            e
+            for e in self.ledger()
+            if key in (e["idempotency_key"], e["metadata"].get("payorch_ref"))
+            or e["metadata"].get("payorch_operation_id") == key
+        ]
 
     def requests(self) -> list[dict[str, Any]]:
         """The requests received, oldest first (bounded): method, path, headers (lower-case
-        names) and ``peer``, the client's ``host:port`` (which connection carried it), e.g.
-        to see the ``traceparent`` a client sent."""
+        names), ``body`` (bytes) and ``peer``, the client's ``host:port`` (which connection
+        carried it), e.g. to see the ``traceparent`` a client sent."""
         httpd = self._httpd
         if httpd is None:
             return []
@@ -332,6 +339,7 @@ class _Handler(BaseHTTPRequestHandler):
                         "path": self.path,
                         "headers": headers,
                         "peer": f"{self.client_address[0]}:{self.client_address[1]}",
+                        "body": body,  # bytes, as received (what a retry must repeat)
                     }
                 )
             try:

@@ -162,11 +162,12 @@ class StripeProvider:
         """Ask Stripe where ``query``'s operation stands.
 
         By provider reference when there is one; otherwise payment.create searches by
-        ``metadata['payorch_operation_id']`` (Search is eventually consistent: nothing found is
-        NOT_FOUND), payment.capture reads ``payload["payment_intent"]`` and refund.create lists
-        that intent's refunds. Where Search is unavailable (a Stripe-compatible endpoint
-        without it: 404, or a 400 saying so), payment.create lists the PaymentIntents created
-        around the operation instead. Transport errors, 429 and 5xx come back as they are.
+        ``metadata['payorch_ref']``, the namespace's ref (Search is eventually consistent:
+        nothing found is NOT_FOUND), payment.capture reads ``payload["payment_intent"]`` and
+        refund.create lists that intent's refunds. Where Search is unavailable (a
+        Stripe-compatible endpoint without it: 404, or a 400 saying so), payment.create lists
+        the PaymentIntents created around the operation instead. Transport errors, 429 and
+        5xx come back as they are.
         """
         return self._run(query_flow(query, window=self._idempotency_window))
 

@@ -305,13 +305,14 @@ def object_answer(
     *,
     query: bool,
     status_code: int | None,
-    operation_id: str | None = None,
+    tag: tuple[str, str] | None = None,
     reply: Reply | None = None,
 ) -> Answer:
     """Classify one PaymentIntent or Refund object as the outcome of ``operation``.
 
-    With ``operation_id`` the object's ``metadata.payorch_operation_id``, when set, must match
-    (it is not checked for a capture: the intent carries its payment.create's id).
+    With ``tag`` (a metadata key and the operation's value, ``forms.own_tag``) the object's
+    metadata under that key, when set, must match (it is not checked for a capture: the
+    intent carries its payment.create's tag).
     """
     expected = "refund" if operation == REFUND_CREATE else "payment_intent"
     fields = obj if isinstance(obj, dict) else {}
@@ -334,15 +335,14 @@ def object_answer(
         )
 
     metadata = fields.get("metadata")
-    tagged = metadata.get("payorch_operation_id") if isinstance(metadata, dict) else None
-    checked = operation_id is not None and operation != PAYMENT_CAPTURE
-    if checked and tagged not in (None, operation_id):
+    tagged = metadata.get(tag[0]) if isinstance(metadata, dict) and tag is not None else None
+    if tag is not None and operation != PAYMENT_CAPTURE and tagged not in (None, tag[1]):
         return Answer(
             kind=AnswerKind.AMBIGUOUS,
             provider_reference=ident,
             status_code=status_code,
             code="reference_mismatch",
-            message=f"{ident} belongs to operation {tagged!r}, not {operation_id!r}",
+            message=f"{ident} belongs to {tag[0]} {tagged!r}, not {tag[1]!r}",
             body=body,
         )
 

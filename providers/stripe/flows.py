@@ -18,7 +18,14 @@ from datetime import timedelta
 from typing import Any
 
 from payorch.errors import ConfigurationError
-from payorch.provider import Answer, AnswerKind, StatusQuery, SubmitRequest, bounded_raw
+from payorch.provider import (
+    TAG_LEGACY_OPERATION_ID,
+    Answer,
+    AnswerKind,
+    StatusQuery,
+    SubmitRequest,
+    bounded_raw,
+)
 
 from .classify import (
     PAYMENT_CAPTURE,
@@ -32,6 +39,7 @@ from .classify import (
 from .forms import (
     STRIPE_ID,
     InvalidPayload,
+    own_tag,
     payment_intent_of,
     require_supported,
     search_query,
@@ -133,7 +141,7 @@ def _retrieve(query: StatusQuery, path: str) -> Flow:
         reply.body,
         query=True,
         status_code=reply.status,
-        operation_id=query.operation_id,
+        tag=own_tag(query.tags),
         reply=reply,
     )
 
@@ -180,7 +188,7 @@ def _page(reply: Reply | Answer) -> _Page | Answer:
 
 
 def _search_intents(query: StatusQuery, window: timedelta | None) -> Flow:
-    params = {"query": search_query(query.operation_id)}
+    params = {"query": search_query(own_tag(query.tags))}
     reply = yield Call(method="GET", path="/v1/payment_intents/search", params=params)
     if _search_unavailable(reply):
         # A Stripe-compatible endpoint without Search: asking again would fail the same
@@ -223,19 +231,37 @@ def _search_unavailable(reply: Reply | Answer) -> bool:
     return "search" in text and any(phrase in text for phrase in _SEARCH_OFF)
 
 
-def _created_at(operation_id: str) -> float | None:
-    """When the operation was created (Unix seconds), read from its UUIDv7 id."""
-    try:
-        ident = uuid.UUID(operation_id)
-    except ValueError:
+def _created_range(query: StatusQuery, window: timedelta | None) -> tuple[float, float] | None:
+    """When a PaymentIntent for the operation can have been created (Unix seconds, loosely).
+
+    An operation of the earlier form tells its claim time by its UUIDv7 id. One whose key
+    comes from the namespace may have been claimed again after a failover lost its first
+    claim, so its stored creation time is only the latest the key can have been first used:
+    reach back by the window in which Stripe would have answered that first use.
+    """
+    slack = _CLOCK_SLACK.total_seconds()
+    late = (_LATE_SEND + (window or timedelta(0))).total_seconds() + slack
+    if TAG_LEGACY_OPERATION_ID in query.tags:
+        try:
+            ident = uuid.UUID(query.operation_id)
+        except ValueError:
+            return None
+        if ident.version != 7:
+            return None
+        claimed = (ident.int >> 80) / 1000
+        return claimed - slack, claimed + late
+    if query.created_at is None:
         return None
-    return (ident.int >> 80) / 1000 if ident.version == 7 else None
+    claimed = query.created_at.timestamp()
+    return claimed - (window or timedelta(0)).total_seconds() - slack, claimed + late
 
 
-def _tagged(operation_id: str) -> Callable[[Mapping[str, Any]], bool]:
+def _tagged(tag: tuple[str, str]) -> Callable[[Mapping[str, Any]], bool]:
+    name, value = tag
+
     def match(item: Mapping[str, Any]) -> bool:
         metadata = item.get("metadata")
-        return isinstance(metadata, dict) and metadata.get("payorch_operation_id") == operation_id
+        return isinstance(metadata, dict) and metadata.get(name) == value
 
     return match
 
@@ -252,7 +278,8 @@ def _scan(
 ) -> Generator[Call, Reply | Answer, _Scan | Answer]:
     """Page through a list (at most ``pages``), classifying each object tagged with the
     operation: (answers, last reply, last body, whether the list was read to its end)."""
-    match = _tagged(query.operation_id)
+    tag = own_tag(query.tags)
+    match = _tagged(tag)
     found: list[Answer] = []
     for _ in range(pages):
         page = yield from _list_page(path, params)
@@ -265,7 +292,7 @@ def _scan(
                 item,
                 query=True,
                 status_code=reply.status,
-                operation_id=query.operation_id,
+                tag=tag,
             )
             for item in data
             if match(item)
@@ -278,16 +305,14 @@ def _scan(
 
 
 def _list_intents(query: StatusQuery, window: timedelta | None) -> Flow:
-    created = _created_at(query.operation_id)
+    created = _created_range(query, window)
     if created is None:
         return Answer(
             kind=AnswerKind.AMBIGUOUS,
             code="search_unavailable",
-            message="Search is unavailable and the operation id tells no creation time",
+            message="Search is unavailable and the operation tells no creation time",
         )
-    late = _LATE_SEND + (window or timedelta(0)) + _CLOCK_SLACK
-    start = math.floor(created - _CLOCK_SLACK.total_seconds())
-    end = math.ceil(created + late.total_seconds())
+    start, end = math.floor(created[0]), math.ceil(created[1])
     params = {"created[gte]": str(start), "created[lte]": str(end), "limit": "100"}
     scan = yield from _scan(query, "/v1/payment_intents", params, PAYMENT_CREATE, _INTENT_PAGES)
     if isinstance(scan, Answer):

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from payorch.errors import ConfigurationError
-from payorch.provider import SubmitRequest
+from payorch.provider import TAG_LEGACY_OPERATION_ID, TAG_REF, SubmitRequest
 
 from .classify import PAYMENT_CAPTURE, PAYMENT_CREATE, SUPPORTED_OPERATIONS
 
@@ -83,10 +83,20 @@ def _metadata(request: SubmitRequest) -> dict[str, str]:
                 raise InvalidPayload(f"metadata[{key!r}] must be a string")
             if not key.startswith("payorch_"):
                 form[f"metadata[{key}]"] = value
-    form["metadata[payorch_operation_id]"] = request.operation_id
-    form["metadata[payorch_tenant_id]"] = request.tenant_id
-    form["metadata[payorch_operation]"] = request.operation
+    # From the namespace alone (payorch.provider.provider_tags): a claim re-created after a
+    # failover sends byte for byte the same form, and Stripe's idempotency answers it.
+    for key, value in request.tags.items():
+        form[f"metadata[{key}]"] = value
+    if TAG_LEGACY_OPERATION_ID in request.tags:
+        form["metadata[payorch_operation]"] = request.operation  # as those were first sent
     return form
+
+
+def own_tag(tags: Mapping[str, str]) -> tuple[str, str]:
+    """The metadata key and value that mark an operation's own Stripe objects."""
+    if TAG_REF in tags:
+        return TAG_REF, tags[TAG_REF]
+    return TAG_LEGACY_OPERATION_ID, tags[TAG_LEGACY_OPERATION_ID]
 
 
 def submit_call(request: SubmitRequest) -> tuple[str, dict[str, str]]:
@@ -137,7 +147,8 @@ def require_supported(operation: str) -> None:
         )
 
 
-def search_query(operation_id: str) -> str:
+def search_query(tag: tuple[str, str]) -> str:
     # Search query language: single-quoted value, backslash escapes quote and backslash.
-    escaped = operation_id.replace("\\", "\\\\").replace("'", "\\'")
-    return f"metadata['payorch_operation_id']:'{escaped}'"
+    name, value = tag
+    escaped = value.replace("\\", "\\\\").replace("'", "\\'")
+    return f"metadata['{name}']:'{escaped}'"

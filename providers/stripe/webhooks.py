@@ -7,7 +7,8 @@ standard library computes, compared in constant time, so the adapter does not ne
 
 Events are mapped to the operation they concern: by ``request.idempotency_key`` when one of
 our downstream keys caused the event (a capture's ``payment_intent.succeeded`` concerns the
-capture), else by the object's ``payorch_operation_id`` metadata. Their outcome is read with
+capture), else by the provider reference (or, for objects made before keys came from the
+namespace, the ``payorch_operation_id`` metadata). Their outcome is read with
 the functions the status query uses (:mod:`.classify`), so both paths agree: a decline carries
 the same code, and a ``payment_intent.canceled`` that releases a manual-capture authorisation
 is what became of a successful ``payment.create`` (lifecycle evidence), not its decline.
@@ -25,7 +26,7 @@ from typing import Any
 
 from payorch.core import operation_id_from_downstream_key
 from payorch.errors import WebhookMalformed, WebhookSignatureInvalid
-from payorch.provider import AnswerKind, WebhookEvent
+from payorch.provider import TAG_LEGACY_OPERATION_ID, AnswerKind, WebhookEvent
 
 from .classify import AUTHORIZATION_RELEASED, REFUND_KINDS, authorization_released, decline_code
 
@@ -162,7 +163,7 @@ def parse_stripe_webhook(
     # metadata: a capture's intent carries its payment.create's id).
     operation_id = operation_id_from_downstream_key(downstream_key) if downstream_key else None
     if operation_id is None and isinstance(metadata, dict):
-        operation_id = _text(metadata.get("payorch_operation_id"))
+        operation_id = _text(metadata.get(TAG_LEGACY_OPERATION_ID))
     outcome, code, lifecycle = _outcome(event_type, obj)
     return WebhookEvent(
         event_id=event_id,

@@ -36,6 +36,8 @@ from .errors import (
 )
 from .forks import reset_in_child
 from .records import ClaimResult, NewOperation, OperationRecord
+from .replication import Guard
+from .sessions import conninfo
 from .statements import (
     PG_CLAIMED,
     PG_EXISTING,
@@ -80,8 +82,9 @@ def look_again_after(record: OperationRecord, lease_remaining: float) -> float:
 class Store(Reads, WorkQueue):
     """Operations and their events on PostgreSQL or SQLite."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, require_sync_standby: bool | None = None) -> None:
         self.engine = engine
+        self.replication = Guard(engine, require_sync_standby=require_sync_standby)
         self.dialect = engine.dialect.name
         # Hot statements are built once: SQLAlchemy then skips coercion and cache-key work.
         self._claim_stmt = build_claim(
@@ -100,8 +103,15 @@ class Store(Reads, WorkQueue):
         self._listener_lock = threading.Lock()
 
     @classmethod
-    def from_url(cls, url: str | URL, **engine_kwargs: Any) -> Store:
-        return cls(create_engine(url, **engine_kwargs))
+    def from_url(
+        cls, url: str | URL, *, require_sync_standby: bool | None = None, **engine_kwargs: Any
+    ) -> Store:
+        engine = create_engine(url, **engine_kwargs)
+        try:
+            return cls(engine, require_sync_standby=require_sync_standby)
+        except BaseException:
+            engine.dispose()  # refused at start-up: no connection left open
+            raise
 
     def close(self) -> None:
         if self._listener is not None:
@@ -114,10 +124,9 @@ class Store(Reads, WorkQueue):
             return None
         with self._listener_lock:
             if self._listener is None:
-                url = self.engine.url.set(drivername="postgresql")
                 schema = schema_of(self.engine)
                 self._listener = Listener(
-                    url.render_as_string(hide_password=False),
+                    conninfo(self.engine),  # multi-host and target_session_attrs included
                     # It reads for woken waiters, on its own connection: payorch's tables.
                     reader=pg_writes.reread_for,
                     options=f"-c search_path={schema}" if schema not in (None, "public") else None,
@@ -149,6 +158,7 @@ class Store(Reads, WorkQueue):
         A released operation (nothing was sent before, :attr:`OperationRecord.released`) is
         taken over, same fingerprint and downstream key, and returned as ``created``.
         """
+        self.replication.before_claim()  # strict: no claim without a synchronous standby
         for _ in range(_TAKE_OVER_ATTEMPTS):
             result = self._claim_once(
                 new, owner=owner, lease=lease, possibly_sent=possibly_sent, wait=wait

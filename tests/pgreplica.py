@@ -54,7 +54,7 @@ class ReplicaPair:
     """A primary and one streaming standby.
 
     ``synchronous=True`` names the standby in the primary's ``synchronous_standby_names``
-    (commits wait for it); otherwise replication is asynchronous.
+    (commits wait for it) once it streams; otherwise replication is asynchronous.
     """
 
     def __init__(self, *, synchronous: bool = False) -> None:
@@ -102,7 +102,6 @@ class ReplicaPair:
             "max_wal_senders = 5",
             "max_connections = 100",
             "wal_sender_timeout = 5s",
-            f"synchronous_standby_names = '{STANDBY_NAME}'" if self.synchronous else "",
         )
         self._ctl("start", c.data, c.port)
         self.primary_alive = True
@@ -120,6 +119,9 @@ class ReplicaPair:
         # -R wrote primary_conninfo; the application name makes it a named standby.
         self._append(
             self.standby_data,
+            # The primary's settings came with the backup: once promoted, the standby waits
+            # for no standby of its own (it has none).
+            "synchronous_standby_names = ''",
             f"cluster_name = '{STANDBY_NAME}'",
             "wal_receiver_status_interval = 1s",
             "wal_retrieve_retry_interval = 200ms",
@@ -127,10 +129,20 @@ class ReplicaPair:
         auto = self.standby_data / "postgresql.auto.conf"
         text = auto.read_text()
         auto.write_text(
-            text.replace("primary_conninfo = '", f"primary_conninfo = 'application_name={STANDBY_NAME} ")
+            text.replace(
+                "primary_conninfo = '", f"primary_conninfo = 'application_name={STANDBY_NAME} "
+            )
         )
         self.restart_standby()
-        self.wait_streaming()
+        poll("the standby to stream", lambda: self._streaming(sync=False))
+        if self.synchronous:
+            # Only now: until the standby streams, every commit (a migration's too) would wait.
+            self.execute(
+                self.primary.port,
+                f"ALTER SYSTEM SET synchronous_standby_names = '{STANDBY_NAME}'",
+            )
+            self.scalar(self.primary.port, "SELECT pg_reload_conf()")
+            self.wait_streaming()
         return self.standby_url
 
     def _append(self, data: Path, *lines: str) -> None:
@@ -147,30 +159,28 @@ class ReplicaPair:
 
     def scalar(self, port: int, sql: str) -> object:
         """One value read on the server at ``port`` (autocommit: it never waits for a standby)."""
-        engine = sa.create_engine(url_for(port), isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+        return self.execute(port, sql, rows=True)
+
+    def execute(self, port: int, sql: str, *, rows: bool = False) -> object:
+        engine = sa.create_engine(
+            url_for(port), isolation_level="AUTOCOMMIT", poolclass=sa.NullPool
+        )
         try:
             with engine.connect() as conn:
-                return conn.exec_driver_sql(sql).scalar()
+                result = conn.exec_driver_sql(sql)
+                return result.scalar() if rows else None
         finally:
             engine.dispose()
 
-    def streaming(self) -> bool:
+    def _streaming(self, *, sync: bool) -> bool:
         sql = "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'"
-        if self.synchronous:
+        if sync:
             sql += " AND sync_state = 'sync'"
         return bool(self.scalar(self.primary.port, sql))
 
     def wait_streaming(self) -> None:
-        poll("the standby to stream", self.streaming)
-
-    def caught_up(self) -> bool:
-        """The standby has replayed everything the primary has written so far."""
-        lsn = self.scalar(self.primary.port, "SELECT pg_current_wal_lsn()::text")
-        replayed = self.scalar(
-            self.standby_port,
-            f"SELECT pg_last_wal_replay_lsn() >= '{lsn}'::pg_lsn",
-        )
-        return bool(replayed)
+        """Until the standby streams (synchronously, for a synchronous pair)."""
+        poll("the standby to stream", lambda: self._streaming(sync=self.synchronous))
 
     def stop_standby(self) -> None:
         """The standby shuts down: its stream is cut, what the primary commits stays there."""

@@ -145,6 +145,14 @@ def sandbox() -> Iterator[SandboxServer]:
         yield sb
 
 
+def effects_of(
+    sandbox: SandboxServer, store: Store, tenant_id: str, operation_id: str
+) -> list[dict[str, Any]]:
+    """The sandbox effects one stored operation made: those under its downstream key (what
+    payorch sent, from the namespace; the operation id never crosses to the provider)."""
+    return sandbox.effects_for(store.get(tenant_id, operation_id).downstream_key)
+
+
 @pytest.fixture
 def sandbox_provider(sandbox: SandboxServer) -> Iterator[SandboxProvider]:
     with SandboxProvider(

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import FAST_TIMEOUT, make_due
+from conftest import FAST_TIMEOUT, effects_of, make_due
 from test_stripe_adapter import OP_ID, PI_ID, payment_intent, query, search_result
 from test_webhooks import signed
 
@@ -36,8 +36,8 @@ PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 MONEY = ("succeeded", "processing")
 
 
-def money_effects(sandbox: SandboxServer, operation_id: str) -> list[dict[str, Any]]:
-    return [e for e in sandbox.effects_for(operation_id) if e["status"] in MONEY]
+def money_effects(sandbox: SandboxServer, store: Store, operation_id: str) -> list[dict[str, Any]]:
+    return [e for e in effects_of(sandbox, store, "shop", operation_id) if e["status"] in MONEY]
 
 
 @contextlib.asynccontextmanager
@@ -68,7 +68,7 @@ async def pay(ex: AsyncExecutor, key: str = "k1", **kwargs: Any) -> Outcome:
 
 
 def test_fifty_concurrent_identical_requests_make_one_effect(
-    db_url: str, sandbox: SandboxServer
+    db_url: str, sandbox: SandboxServer, store: Store
 ) -> None:
     async def main() -> list[Outcome | BaseException]:
         async with (
@@ -87,7 +87,7 @@ def test_fifty_concurrent_identical_requests_make_one_effect(
     assert ids == {outcomes[0].operation_id}
     assert all(o.state is State.SUCCEEDED for o in outcomes)
     assert len(sandbox.ledger()) == 1
-    assert len(money_effects(sandbox, outcomes[0].operation_id)) == 1
+    assert len(money_effects(sandbox, store, outcomes[0].operation_id)) == 1
 
 
 class Gated:
@@ -208,13 +208,13 @@ def test_the_async_deadline_bounds_a_trickled_answer_unknown_then_settled_once(
         assert answer.detail is not None and answer.detail["possibly_sent"] is True
         assert settled == Counter({"succeeded": 1})
         record = store.get("shop", outcome.operation_id)
-        effects = trickling.effects_for(outcome.operation_id)
+        effects = effects_of(trickling, store, "shop", outcome.operation_id)
         assert len(effects) == 1 and record.provider_reference == effects[0]["id"]
         assert record.state is State.SUCCEEDED
 
 
 def test_an_async_webhook_settles_an_unknown_operation_and_replays_show_it(
-    db_url: str, sandbox: SandboxServer
+    db_url: str, sandbox: SandboxServer, store: Store
 ) -> None:
     async def main() -> tuple[Outcome, WebhookStatus, WebhookStatus, Outcome]:
         async with (
@@ -225,7 +225,8 @@ def test_an_async_webhook_settles_an_unknown_operation_and_replays_show_it(
         ):
             sandbox.inject("drop_after")
             first = await pay(ex)
-            effect = sandbox.effects_for(first.operation_id)[0]
+            sent = (await ex.store.get("shop", first.operation_id)).downstream_key
+            (effect,) = sandbox.effects_for(sent)
             event = {"id": "evt_async_1", "type": "effect.succeeded", "data": effect}
             headers, body = signed(sandbox.webhook_secret, event)
             handler = AsyncWebhookHandler(store=ex.store, providers=[provider])
@@ -237,7 +238,7 @@ def test_an_async_webhook_settles_an_unknown_operation_and_replays_show_it(
     assert first.state is State.OUTCOME_UNKNOWN
     assert (applied, again) == (WebhookStatus.APPLIED, WebhookStatus.DUPLICATE)
     assert replay.state is State.SUCCEEDED and replay.replayed
-    assert len(money_effects(sandbox, first.operation_id)) == 1
+    assert len(money_effects(sandbox, store, first.operation_id)) == 1
 
 
 def test_the_stripe_status_flow_answers_alike_sync_and_async() -> None:
@@ -287,8 +288,8 @@ def test_a_deadline_spent_waiting_for_a_connection_slot_is_not_sent() -> None:
         by_kind = {a.kind: op for a, op in zip(answers, "ab", strict=True)}
         assert set(by_kind) == {AnswerKind.AMBIGUOUS, AnswerKind.NOT_SENT}
         assert all(a.code == DeadlineExceeded.code for a in answers)
-        assert sandbox.effects_for(by_kind[AnswerKind.NOT_SENT]) == []
-        assert len(sandbox.effects_for(by_kind[AnswerKind.AMBIGUOUS])) == 1
+        assert sandbox.effects_for(f"dk-{by_kind[AnswerKind.NOT_SENT]}") == []
+        assert len(sandbox.effects_for(f"dk-{by_kind[AnswerKind.AMBIGUOUS]}")) == 1
 
 
 def _request(operation_id: str) -> SubmitRequest:

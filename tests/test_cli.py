@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from conftest import effects_of
 from typer.testing import CliRunner, Result
 
 from payorch.cli import render
@@ -363,6 +364,8 @@ def test_recheck_resolves_a_sandbox_backed_unknown(
             operation_id=record.id,
             downstream_key=record.downstream_key,
             payload=prepared.payload,
+            idempotency_key=record.idempotency_key,
+            fingerprint=record.fingerprint,
         )
     )
     assert answer.kind is AnswerKind.SUCCEEDED
@@ -378,12 +381,12 @@ def test_recheck_resolves_a_sandbox_backed_unknown(
     assert after.provider_reference == answer.provider_reference
     assert [e["kind"] for e in report["events"]] == ["operator_recheck", "status_query"]
     assert report["events"][1]["actor"] == "operator:alice"
-    assert len(sandbox.effects_for(record.id)) == 1
+    assert len(effects_of(sandbox, store, record.tenant_id, record.id)) == 1
 
     again = run(db_url, "ops", "recheck", unknown.id, env=env)
     assert again.exit_code == 1
     assert "terminal" in one_error_line(again)
-    assert len(sandbox.effects_for(record.id)) == 1
+    assert len(effects_of(sandbox, store, record.tenant_id, record.id)) == 1
 
 
 def test_recheck_refuses_a_live_lease(db_url: str, store: Store, world: World) -> None:
@@ -458,7 +461,10 @@ def test_reconcile_once_settles_what_is_due(db_url: str, store: Store, world: Wo
     result = run(db_url, "reconcile once --json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == {"picked": 1, "outcomes": {"abandoned": 1}, "released": 0}
-    assert store.get(world.abandoned.tenant_id, world.abandoned.id).state is State.FAILED_FINAL
+    # Nothing was sent: released (no outcome stored), the key's next request runs it again.
+    abandoned = store.get(world.abandoned.tenant_id, world.abandoned.id)
+    assert abandoned.released and abandoned.state is State.IN_PROGRESS
+    assert abandoned.lease_owner is None and abandoned.response is None
     assert "nothing due" in run(db_url, "reconcile once").stdout
 
 

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import httpx
 import pytest
-from conftest import FAST_TIMEOUT, RecordingSleep, make_due
+from conftest import FAST_TIMEOUT, RecordingSleep, effects_of, make_due
 
 from payorch.core import State
 from payorch.errors import ConfigurationError
@@ -79,7 +79,7 @@ def test_a_trickled_answer_ends_at_the_deadline_unknown_then_settles_once(
     assert last.detail is not None
     assert last.detail["code"] == "deadline_exceeded" and last.detail["possibly_sent"] is True
     assert last.detail["attempt"] == 1
-    assert len(trickling.effects_for(outcome.operation_id)) == 1
+    assert len(effects_of(trickling, store, "shop", outcome.operation_id)) == 1
 
     make_due(store, outcome.operation_id)
     reconciler = Reconciler(
@@ -92,7 +92,7 @@ def test_a_trickled_answer_ends_at_the_deadline_unknown_then_settles_once(
     assert report.outcomes == Counter({"succeeded": 1})
     record = store.get("shop", outcome.operation_id)
     assert record.state is State.SUCCEEDED and record.resolution == "status_query"
-    effects = trickling.effects_for(outcome.operation_id)
+    effects = effects_of(trickling, store, "shop", outcome.operation_id)
     assert len(effects) == 1 and record.provider_reference == effects[0]["id"]
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import sqlalchemy as sa
-from conftest import RecordingSleep, make_due
+from conftest import RecordingSleep, effects_of, make_due
 from typer.testing import CliRunner
 
 from payorch.cli.app import app
@@ -108,8 +108,9 @@ def states(store: Store, ids: list[str]) -> Counter[str]:
         return Counter(s for (s,) in rows)
 
 
-def effects(sandbox: SandboxServer, ids: list[str]) -> int:
-    return sum(len([e for e in sandbox.effects_for(i) if e["status"] in MONEY]) for i in ids)
+def effects(sandbox: SandboxServer, store: Store, ids: list[str]) -> int:
+    found = (effects_of(sandbox, store, "shop", i) for i in ids)
+    return sum(len([e for e in listed if e["status"] in MONEY]) for listed in found)
 
 
 def test_two_concurrent_reconcilers_drain_200_slow_checks_once_each(
@@ -143,7 +144,7 @@ def test_two_concurrent_reconcilers_drain_200_slow_checks_once_each(
     assert states(store, ids) == Counter({"succeeded": BACKLOG})
     queries = status_queries(store, ids)
     assert set(queries) == set(ids) and set(queries.values()) == {1}
-    assert effects(sandbox, ids) == BACKLOG  # the ledger: one charge each, none added
+    assert effects(sandbox, store, ids) == BACKLOG  # the ledger: one charge each, none added
 
 
 def test_a_check_queued_past_its_lease_renews_it_or_yields_to_the_new_holder(
@@ -177,7 +178,7 @@ def test_a_check_queued_past_its_lease_renews_it_or_yields_to_the_new_holder(
     make_due(store, second)
     assert rec_b.run_until_idle().outcomes == Counter({"succeeded": 1})
     assert status_queries(store, [first, second]) == Counter({first: 1, second: 1})
-    assert effects(sandbox, [first, second]) == 2
+    assert effects(sandbox, store, [first, second]) == 2
 
 
 @pytest.mark.parametrize("concurrency", [0, 11])
@@ -241,7 +242,7 @@ def test_two_daemon_processes_drain_the_backlog_once_each(
                 )
             }
         assert len(actors) == 2  # both daemons took a share
-        assert effects(sandbox, ids) == BACKLOG
+        assert effects(sandbox, store, ids) == BACKLOG
     finally:
         for proc in procs:
             if proc.poll() is None:

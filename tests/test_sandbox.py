@@ -199,7 +199,7 @@ def test_concurrent_same_key_gets_request_in_progress(
         first = threading.Thread(target=lambda: results.append(post(client, "k1")))
         first.start()
         try:
-            assert gate.wait_held(1)
+            assert gate.wait_held(1, timeout=30)
             second = post(client, "k1")
             assert second.status_code == 409
             assert second.json()["error"] == {
@@ -213,7 +213,7 @@ def test_concurrent_same_key_gets_request_in_progress(
             )
         finally:
             gate.release()
-            first.join(5)
+            first.join(30)
     assert results[0].status_code == 200
     assert post(client, "k1").headers["idempotent-replayed"] == "true"
     assert len(sandbox.ledger()) == 1
@@ -226,7 +226,7 @@ def test_many_concurrent_duplicates_make_one_effect(sandbox: SandboxServer) -> N
 
     def worker() -> None:
         with httpx.Client(base_url=sandbox.url, timeout=5.0) as c:
-            barrier.wait(5)
+            barrier.wait(60)  # bounded: sixteen threads on a loaded machine
             status = post(c, "same").status_code
         with lock:
             statuses.append(status)
@@ -235,7 +235,7 @@ def test_many_concurrent_duplicates_make_one_effect(sandbox: SandboxServer) -> N
     for t in threads:
         t.start()
     for t in threads:
-        t.join(10)
+        t.join(60)
     assert len(statuses) == 16
     assert set(statuses) <= {200, 409}
     assert 200 in statuses
@@ -492,7 +492,7 @@ def test_webhooks_are_posted_to_webhook_url() -> None:
         ):
             post(client, "k1")
             post(client, "k2", fault="decline")
-            assert arrived.wait(5)
+            assert arrived.wait(30)  # delivered by the sandbox's own thread
             deliveries = sb.webhook_deliveries()
         assert [body for _, body in received] == [d.body for d in deliveries]
         for headers, body in received:

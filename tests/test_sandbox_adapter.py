@@ -304,11 +304,11 @@ def test_in_progress_is_not_sent(sandbox: SandboxServer, provider: SandboxProvid
         first = threading.Thread(target=lambda: answers.append(provider.submit(request())))
         first.start()
         try:
-            assert gate.wait_held(1)
+            assert gate.wait_held(1, timeout=30)
             second = provider.submit(request())
         finally:
             gate.release()
-            first.join(5)
+            first.join(30)
     assert second.kind is AnswerKind.NOT_SENT
     assert second.code == "request_in_progress"
     assert second.retry_after == 1.0

@@ -30,6 +30,13 @@ class Settings(BaseSettings):
     not_found_grace_seconds: float = Field(default=60.0, ge=0)
     max_checks: int = Field(default=20, gt=0)
     max_unknown_age_seconds: float = Field(default=24 * 3600.0, gt=0)
+    # `payorch reconcile run` looks for provider effects no operation explains every this
+    # many seconds (0: never), over the trailing window, at the providers named (comma
+    # separated; empty: every configured one that can list), and adopts them when asked.
+    unexplained_every_seconds: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    unexplained_window_seconds: float = Field(default=24 * 3600.0, gt=0, le=366 * 86400.0)
+    unexplained_providers: str = ""
+    unexplained_adopt: bool = False
     sandbox_url: str = "http://127.0.0.1:8765"
     sandbox_webhook_secret: str | None = None
     stripe_api_key: str | None = None

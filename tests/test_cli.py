@@ -22,6 +22,7 @@ from payorch.cli import render
 from payorch.cli.app import app
 from payorch.cli.runtime import parse_duration
 from payorch.core import State
+from payorch.executor import Executor
 from payorch.operations import default_registry
 from payorch.provider import AnswerKind, SubmitRequest
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
@@ -533,3 +534,99 @@ def test_list_finds_an_operation_by_provider_reference_or_key(db_url: str, world
     assert listed(db_url, "--reference", "pi_nobody") == []
     bad = run(db_url, "ops", "list", "--tenant", "bad tenant")
     assert bad.exit_code == 1 and "tenant id" in bad.stderr
+
+
+# -- effects unexplained -----------------------------------------------------------------
+
+
+def _lost_charge(store: Store, sandbox_provider: SandboxProvider, key: str) -> OperationRecord:
+    """A payment made at the sandbox whose claim a failover then lost (its rows deleted)."""
+    executor = Executor(
+        store=store, providers=[sandbox_provider], registry=REGISTRY, lease=timedelta(seconds=30)
+    )
+    outcome = executor.execute(
+        tenant_id="shop-a",
+        operation="payment.create",
+        idempotency_key=key,
+        request={"amount": 2500, "currency": "EUR", "customer": "cus_3"},
+    )
+    record = store.get("shop-a", outcome.operation_id)
+    with store.engine.begin() as conn:
+        conn.execute(sa.delete(events).where(events.c.operation_id == record.id))
+        conn.execute(sa.delete(operations).where(operations.c.id == record.id))
+    return record
+
+
+def test_effects_unexplained_lists_then_adopts_at_the_sandbox(
+    db_url: str, store: Store, sandbox: SandboxServer, sandbox_provider: SandboxProvider
+) -> None:
+    lost = _lost_charge(store, sandbox_provider, "k-lost-claim")
+    env = {"PAYORCH_SANDBOX_URL": sandbox.url}
+    args = ["effects", "unexplained", "--provider", "sandbox", "--since", "1h"]
+
+    listing = run(db_url, *args, "--json", env=env)
+    assert listing.exit_code == 0, listing.output
+    report = json.loads(listing.stdout)
+    assert report["counts"]["unexplained"] == 1 and report["counts"]["adopted"] == 0
+    (finding,) = report["findings"]
+    assert finding["adoptable"] and finding["effect"]["tags"]["payorch_idempotency_key"] == (
+        "k-lost-claim"
+    )
+    assert snapshot(store) == ([], 0)  # listing writes nothing
+
+    adopted = run(
+        db_url, *args, "--adopt", "--actor", "alice", "--reason", "failover", "--yes", env=env
+    )
+    assert adopted.exit_code == 0, adopted.output
+    assert "1 adopted" in adopted.stdout
+    record = store.get_by_namespace("shop-a", "payment.create", "k-lost-claim")
+    assert record.state is State.SUCCEEDED and record.needs_attention
+    assert record.downstream_key == lost.downstream_key
+    (event,) = store.events("shop-a", record.id)
+    assert (event.kind, event.actor) == ("adopted", "alice")
+    assert f"adopted as {record.id}" in adopted.stdout
+
+    again = run(db_url, *args, env=env)
+    assert again.exit_code == 0
+    assert "1 explained, 0 unexplained" in again.stdout
+    assert len(sandbox.effects_for(lost.downstream_key)) == 1
+
+
+def test_effects_unexplained_adopt_asks_first_and_needs_an_audit_trail(
+    db_url: str, store: Store, sandbox: SandboxServer, sandbox_provider: SandboxProvider
+) -> None:
+    _lost_charge(store, sandbox_provider, "k-ask")
+    env = {"PAYORCH_SANDBOX_URL": sandbox.url}
+    args = ["effects", "unexplained", "--provider", "sandbox", "--since", "1h", "--adopt"]
+
+    no_actor = run(db_url, *args, "--reason", "r", env=env)
+    assert no_actor.exit_code == 2
+    assert "--adopt needs --actor and --reason" in one_error_line(no_actor)
+    declined = run(db_url, *args, "--actor", "a", "--reason", "r", input="n\n", env=env)
+    assert declined.exit_code == 1
+    assert "nothing adopted" in declined.stderr
+    assert snapshot(store) == ([], 0)
+    bad_since = run(db_url, "effects", "unexplained", "--provider", "sandbox", "--since", "soon")
+    assert bad_since.exit_code == 2 and "neither an ISO 8601 time" in one_error_line(bad_since)
+
+
+def test_effects_unexplained_on_a_provider_that_cannot_list_is_one_line(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class SubmitsOnly:  # an adapter of the embedding app's, without list_effects
+        name = "acquirer"
+
+    monkeypatch.setattr("payorch.cli.effects.build_providers", lambda _config: [SubmitsOnly()])
+    result = run(db_url, "effects unexplained --provider acquirer --since 2024-05-01T00:00Z")
+    assert result.exit_code == 1
+    assert "'acquirer' cannot list its effects" in one_error_line(result)
+    unknown = run(db_url, "effects unexplained --provider nope --since 24h")
+    assert unknown.exit_code == 1
+    assert "no provider named 'nope'" in one_error_line(unknown)
+
+
+def test_effects_unexplained_when_the_provider_is_down_is_one_line(db_url: str) -> None:
+    env = {"PAYORCH_SANDBOX_URL": "http://127.0.0.1:9"}
+    result = run(db_url, "effects unexplained --provider sandbox --since 1h", env=env)
+    assert result.exit_code == 1
+    assert "listing effects failed (ConnectError" in one_error_line(result)

@@ -8,7 +8,9 @@ only where that read cannot be shared: once after it registers, unless the liste
 vouch that no NOTIFY for it came since the claim's read (it was listening throughout), and
 every ``_POLL_CAP`` seconds as a safety net. However many requests wait, they cost one
 connection and no database work while nothing changes; if that connection fails, waiters
-poll every ``_POLL_FALLBACK`` seconds until it is back. SQLite waiters poll with backoff.
+poll every ``_POLL_FALLBACK`` seconds until it is back. SQLite waiters poll with backoff,
+and so do PostgreSQL waiters behind a transaction pooler with no direct URL to listen on
+(:mod:`payorch.pooling`): a LISTEN there holds on whichever server connection it ran.
 
 Under the async API (:mod:`payorch.bridge`) a wait never blocks the event loop: naps are
 ``asyncio.sleep`` and the listener thread wakes a waiter through its loop.
@@ -306,7 +308,9 @@ def wait_until_settled(
     deadline = time.monotonic() + wait.total_seconds()
     read = reread or (lambda r: store.get(r.tenant_id, r.id))
     listener = store.listener()
-    if listener is None:  # SQLite: poll with backoff
+    if listener is None:  # SQLite, or a transaction pooler: poll with backoff
+        if store.is_postgres:
+            return _poll(read, record, deadline, nap=pause, first=0.05, cap=lambda: _POLL_FALLBACK)
         return _poll(read, record, deadline, nap=pause, first=0.02, cap=lambda: 0.25)
     key = f"{record.tenant_id}:{record.id}"
     # Only a read that counts replays is shared: the listener's counts them.

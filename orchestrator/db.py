@@ -37,6 +37,9 @@ from .errors import (
     StorageError,
 )
 from .forks import reset_in_child
+from .pooling import Pooling, resolve
+from .pooling import configure as configure_pooling
+from .pooling import engine_options as pooling_options
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -99,20 +102,36 @@ def schema_of(engine: Engine) -> str | None:
     return _SCHEMAS.get(engine)
 
 
-def create_engine(url: str | URL, *, schema: str | None = None, **kwargs: Any) -> Engine:
+def create_engine(
+    url: str | URL,
+    *,
+    schema: str | None = None,
+    pooler: str | None = None,
+    listen_url: str | URL | None = None,
+    **kwargs: Any,
+) -> Engine:
     """An engine configured for payorch's concurrency on PostgreSQL or SQLite.
 
     On PostgreSQL, payorch's tables live in ``schema`` (default ``PAYORCH_DB_SCHEMA``, else
     ``public``): the connections' ``search_path`` names it, set at connect time so no
-    statement pays for it.
+    statement pays for it. ``pooler`` and ``listen_url`` (defaults
+    ``PAYORCH_DATABASE_POOLER``, ``PAYORCH_LISTEN_DATABASE_URL``) say whether ``url`` is a
+    pooler and where waiters listen: :mod:`payorch.pooling`.
     """
-    parsed, name = _engine_options(url, schema, kwargs)
+    parsed, name, pooling = _engine_options(url, schema, pooler, listen_url, kwargs)
     engine = sa.create_engine(parsed, **kwargs)
-    _configure(engine, name)
+    _configure(engine, name, pooling)
     return engine
 
 
-def create_async_engine(url: str | URL, *, schema: str | None = None, **kwargs: Any) -> AsyncEngine:
+def create_async_engine(
+    url: str | URL,
+    *,
+    schema: str | None = None,
+    pooler: str | None = None,
+    listen_url: str | URL | None = None,
+    **kwargs: Any,
+) -> AsyncEngine:
     """:func:`create_engine`'s twin for the async API: the same pool sizes, pragmas, BEGIN
     IMMEDIATE and schema, over psycopg's async driver or aiosqlite.
 
@@ -121,7 +140,7 @@ def create_async_engine(url: str | URL, *, schema: str | None = None, **kwargs: 
     """
     from sqlalchemy.ext.asyncio import create_async_engine as _create
 
-    parsed, name = _engine_options(url, schema, kwargs)
+    parsed, name, pooling = _engine_options(url, schema, pooler, listen_url, kwargs)
     if parsed.get_backend_name() == "sqlite":
         parsed = parsed.set(drivername="sqlite+aiosqlite")
         # aiosqlite runs each connection on its own thread; sqlite3's check has no say.
@@ -129,14 +148,19 @@ def create_async_engine(url: str | URL, *, schema: str | None = None, **kwargs: 
             k: v for k, v in kwargs["connect_args"].items() if k != "check_same_thread"
         }
     engine = _create(parsed, **kwargs)
-    _configure(engine.sync_engine, name)
+    _configure(engine.sync_engine, name, pooling)
     return engine
 
 
 def _engine_options(
-    url: str | URL, schema: str | None, kwargs: dict[str, Any]
-) -> tuple[URL, str | None]:
-    """Fill ``kwargs`` with payorch's engine defaults; the URL and the PostgreSQL schema."""
+    url: str | URL,
+    schema: str | None,
+    pooler: str | None,
+    listen_url: str | URL | None,
+    kwargs: dict[str, Any],
+) -> tuple[URL, str | None, Pooling]:
+    """Fill ``kwargs`` with payorch's engine defaults; the URL, the PostgreSQL schema and
+    the pooling."""
     parsed = normalise_url(url)
     pooled = "poolclass" not in kwargs  # sizes apply to the default QueuePool only
     if parsed.get_backend_name() == "sqlite":
@@ -145,7 +169,7 @@ def _engine_options(
             kwargs.setdefault("pool_size", 8)
             kwargs.setdefault("max_overflow", 32)
             kwargs.setdefault("pool_timeout", 120)
-        return parsed, None
+        return parsed, None, Pooling()
     if pooled:
         kwargs.setdefault("pool_size", 10)
         kwargs.setdefault("max_overflow", 20)  # 30 connections: well under a server's 100
@@ -153,19 +177,23 @@ def _engine_options(
     # No pre-ping (a round trip per checkout): _configure_postgres checks the socket instead.
     kwargs.setdefault("pool_pre_ping", False)
     name = _schema(schema)
-    if name != "public":
+    pooling = resolve(pooler, listen_url)
+    # A transaction pooler refuses the startup option: there the server sets search_path.
+    if name != "public" and not pooling.per_transaction:
         connect_args = dict(kwargs.pop("connect_args", {}))
         connect_args["options"] = f"{connect_args.get('options', '')} -c search_path={name}"
         kwargs["connect_args"] = connect_args
-    return parsed, name
+    pooling_options(pooling, kwargs)
+    return parsed, name, pooling
 
 
-def _configure(engine: Engine, schema: str | None) -> None:
+def _configure(engine: Engine, schema: str | None, pooling: Pooling) -> None:
     if schema is None:
         _configure_sqlite(engine)
     else:
         _SCHEMAS[engine] = schema
         _configure_postgres(engine)
+        configure_pooling(engine, pooling, schema)
     # A forked child starts with an empty pool of its own.
     reset_in_child(engine, _forget_connections)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -16,6 +18,11 @@ class Settings(BaseSettings):
     database_url: str = "sqlite:///payorch.db"
     # PostgreSQL only: the schema payorch's tables (and its version table) live in.
     db_schema: str = Field(default="public", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
+    # PostgreSQL only, read by the engine itself (payorch.pooling): "transaction" when
+    # database_url is a transaction-pooling PgBouncer; waiters then LISTEN on
+    # listen_database_url (the server, not the pooler) or, without it, poll.
+    database_pooler: Literal["none", "session", "transaction"] = "none"
+    listen_database_url: str | None = None
     # The reconciler's lease must cover three provider calls (a lookup, a read and a
     # re-submission): 151 s with the Stripe adapter's default time-outs.
     lease_seconds: float = Field(default=180.0, gt=0)

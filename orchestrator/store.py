@@ -35,6 +35,7 @@ from .errors import (
     StaleVersion,
 )
 from .forks import reset_in_child
+from .pooling import listen_dsn
 from .records import ClaimResult, NewOperation, OperationRecord
 from .statements import (
     PG_CLAIMED,
@@ -109,15 +110,18 @@ class Store(Reads, WorkQueue):
         self.engine.dispose()
 
     def listener(self) -> Listener | None:
-        """The shared LISTEN connection for waiters (PostgreSQL), started on first use."""
+        """The shared LISTEN connection for waiters, started on first use; None where they
+        poll (SQLite; a transaction pooler with no ``listen_url``: :mod:`payorch.pooling`)."""
         if not self.is_postgres:
             return None
         with self._listener_lock:
             if self._listener is None:
-                url = self.engine.url.set(drivername="postgresql")
+                dsn = listen_dsn(self.engine)
+                if dsn is None:
+                    return None
                 schema = schema_of(self.engine)
                 self._listener = Listener(
-                    url.render_as_string(hide_password=False),
+                    dsn,
                     # It reads for woken waiters, on its own connection: payorch's tables.
                     reader=pg_writes.reread_for,
                     options=f"-c search_path={schema}" if schema not in (None, "public") else None,

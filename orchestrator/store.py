@@ -40,7 +40,6 @@ from .records import ClaimResult, NewOperation, OperationRecord
 from .statements import (
     PG_CLAIMED,
     PG_EXISTING,
-    REPLAY_BY_ID,
     REPLAY_BY_NAMESPACE,
     add_event,
     build_claim,
@@ -48,6 +47,7 @@ from .statements import (
     new_id,
 )
 from .store_reads import Reads
+from .store_replays import Replays
 from .tables import db_now, operations
 from .waiting import NOTIFY_CHANNEL, Listener, Mark, wait_until_settled
 from .work_queue import QUARANTINE_EVENT, QUARANTINE_HOLD, WorkQueue
@@ -78,7 +78,7 @@ def look_again_after(record: OperationRecord, lease_remaining: float) -> float:
     return max(1.0, round(wait, 1))
 
 
-class Store(Reads, WorkQueue):
+class Store(Reads, Replays, WorkQueue):
     """Operations and their events on PostgreSQL or SQLite."""
 
     def __init__(self, engine: Engine) -> None:
@@ -573,53 +573,7 @@ class Store(Reads, WorkQueue):
         """
         return wait_until_settled(self, record, wait)
 
-    def count_replays(self, record: OperationRecord, replays: int) -> None:
-        """Count ``replays`` answers given from ``record`` (terminal) without reading it
-        (joiners of a flight: :mod:`payorch.flights`). PostgreSQL only; a lost answer only
-        leaves the count in doubt."""
-        pg_writes.reread(self.engine, record, replays)
-
     # -- helpers ----------------------------------------------------------------------
-
-    def _reread(self, record: OperationRecord) -> OperationRecord:
-        """``record`` as it is now, its replay counted if it is terminal (a waiter's look):
-        one statement on PostgreSQL."""
-        if self.is_postgres:
-            return pg_writes.reread(self.engine, record)
-
-        def txn(conn: Connection) -> OperationRecord:
-            counted = self._count_replay(conn, record)
-            if counted is not None:
-                return counted
-            row = (
-                conn.execute(
-                    sa.select(operations).where(
-                        operations.c.tenant_id == record.tenant_id,
-                        operations.c.id == record.id,
-                    )
-                )
-                .mappings()
-                .one()
-            )
-            return OperationRecord.from_row(row)
-
-        return run_in_transaction(self.engine, txn)
-
-    def _count_replay(self, conn: Connection, record: OperationRecord) -> OperationRecord | None:
-        """Count one replay of ``record`` (terminal, not reaped); the row as it is now."""
-        row = (
-            conn.execute(
-                REPLAY_BY_ID,
-                {
-                    "r_tenant_id": record.tenant_id,
-                    "r_id": record.id,
-                    "r_fingerprint": record.fingerprint,
-                },
-            )
-            .mappings()
-            .first()
-        )
-        return OperationRecord.from_row(row) if row is not None else None
 
     def _insert(self, table: sa.Table) -> Any:
         return postgresql.insert(table) if self.is_postgres else sqlite.insert(table)

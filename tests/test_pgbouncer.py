@@ -23,7 +23,7 @@ from pgbouncer import PgBouncer, PgBouncerUnavailable
 from payorch import migrate, waiting
 from payorch.aio import AsyncExecutor
 from payorch.async_store import AsyncStore
-from payorch.core import State
+from payorch.core import State, downstream_key, namespace_ref
 from payorch.db import create_engine
 from payorch.errors import ConfigurationError, OperationInProgress
 from payorch.executor import Executor
@@ -153,8 +153,10 @@ def _call(key: str, wait: float | None) -> dict[str, Any]:
     }
 
 
-def effects(sandbox: SandboxServer, operation_id: str) -> int:
-    return len([e for e in sandbox.effects_for(operation_id) if e["status"] in MONEY])
+def effects(sandbox: SandboxServer, key: str) -> int:
+    """Money effects at the sandbox under the downstream key of ``shop``'s payment ``key``."""
+    sent = downstream_key(namespace_ref("shop", "payment.create", key))
+    return len([e for e in sandbox.effects_for(sent) if e["status"] in MONEY])
 
 
 def replays(store: Store, operation_id: str) -> int:
@@ -193,7 +195,7 @@ def test_execute_and_replays_make_one_effect_through_the_pooler(
             True,
         )
         assert again.provider_reference == first.provider_reference
-    assert effects(sandbox, first.operation_id) == 1
+    assert effects(sandbox, "order-1") == 1
     assert len(sandbox.ledger()) == 1
     assert replays(pooled_store, first.operation_id) == PREPARE_THRESHOLD * 2
 
@@ -244,7 +246,7 @@ def test_a_waiter_polls_through_the_pooler_and_gets_the_outcome(
         State.SUCCEEDED,
         True,
     )
-    assert effects(sandbox, won.operation_id) == 1
+    assert effects(sandbox, "order-2") == 1
 
 
 def test_a_wait_that_ends_first_is_in_progress_through_the_pooler(
@@ -260,7 +262,7 @@ def test_a_wait_that_ends_first_is_in_progress_through_the_pooler(
     gate.release()
     won = first.result(timeout=60)
     assert won.state is State.SUCCEEDED and caught.value.operation_id == won.operation_id
-    assert effects(sandbox, won.operation_id) == 1
+    assert effects(sandbox, "order-3") == 1
 
 
 def test_waiters_listen_on_the_direct_url_behind_the_pooler(
@@ -289,7 +291,7 @@ def test_waiters_listen_on_the_direct_url_behind_the_pooler(
         State.SUCCEEDED,
         True,
     )
-    assert effects(sandbox, won.operation_id) == 1
+    assert effects(sandbox, "order-4") == 1
 
 
 def test_the_reconciler_settles_an_unknown_operation_through_the_pooler(
@@ -316,7 +318,7 @@ def test_the_reconciler_settles_an_unknown_operation_through_the_pooler(
         State.SUCCEEDED,
         True,
     )
-    assert effects(sandbox, first.operation_id) == 1
+    assert effects(sandbox, "order-5") == 1
 
 
 # -- a schema of its own behind the pooler -----------------------------------------------
@@ -362,7 +364,7 @@ def test_a_schema_set_by_the_server_works_behind_the_pooler(
     finally:
         store.close()
     assert first.state is State.SUCCEEDED and again.replayed
-    assert effects(sandbox, first.operation_id) == 1
+    assert effects(sandbox, "order-6") == 1
     assert schemas == {SCHEMA}
 
 

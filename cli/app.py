@@ -17,6 +17,7 @@ from typer.core import TyperGroup
 
 from payorch.errors import PayorchError
 
+from .effects import effects_app
 from .health import health_cmd
 from .keys import keys_app
 from .ops import ops_app
@@ -142,6 +143,7 @@ def _logging(
 
 app.add_typer(db_app, name="db")
 app.add_typer(ops_app, name="ops")
+app.add_typer(effects_app, name="effects")
 app.add_typer(keys_app, name="keys")
 app.add_typer(reconcile_app, name="reconcile")
 app.add_typer(sandbox_app, name="sandbox")

@@ -26,10 +26,11 @@ import sqlalchemy as sa
 from rich.console import Console
 
 from payorch import migrate
-from payorch.errors import IdempotencyKeyReused, OperationInProgress
+from payorch.errors import IdempotencyKeyReused, OperationInProgress, ProviderUnavailable
 from payorch.executor import Executor, RetryPolicy
 from payorch.operations import default_registry
 from payorch.outcome import Outcome
+from payorch.provider import TAG_TENANT
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.reconciler import Reconciler, ReconcilerPolicy
 from payorch.store import Store
@@ -62,6 +63,7 @@ class Tally:
     calls: int = 0
     replays: int = 0
     in_progress_answers: int = 0
+    not_sent_answers: int = 0  # ProviderUnavailable: retried with the same key
     reuse_attempts: int = 0
     reuse_refused: int = 0
     first: dict[str, Outcome] = field(default_factory=dict)
@@ -120,6 +122,7 @@ def _run(url: str, payments: int, seed: int, console: Console) -> bool:
         console.print(
             f"clients done in {time.monotonic() - started:.1f}s: {tally.calls} calls, "
             f"{tally.replays} replays, {tally.in_progress_answers} in-progress answers, "
+            f"{tally.not_sent_answers} nothing-sent answers, "
             f"{tally.reuse_refused}/{tally.reuse_attempts} changed-amount reuses refused"
         )
         with bar("settling", console=err()) as progress:
@@ -165,6 +168,10 @@ def _clients(
                 )
             except OperationInProgress:
                 tally.bump("in_progress_answers")
+                time.sleep(0.05 * (attempt + 1))
+            except ProviderUnavailable:
+                # Nothing was sent and nothing stored: the same key runs again.
+                tally.bump("not_sent_answers")
                 time.sleep(0.05 * (attempt + 1))
         return None
 
@@ -262,7 +269,7 @@ def json_tenant(body: bytes) -> str | None:
 
     data = json.loads(body).get("data", {})
     meta = data.get("metadata") or {}
-    tenant = meta.get("tenant_id")
+    tenant = meta.get(TAG_TENANT)
     return tenant if isinstance(tenant, str) else None
 
 

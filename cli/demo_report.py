@@ -85,9 +85,12 @@ def report(
 ) -> bool:
     with store.engine.connect() as conn:
         rows = conn.execute(
-            sa.select(operations.c.id, operations.c.state, operations.c.resolution).where(
-                operations.c.tenant_id == tenant
-            )
+            sa.select(
+                operations.c.id,
+                operations.c.state,
+                operations.c.resolution,
+                operations.c.downstream_key,
+            ).where(operations.c.tenant_id == tenant)
         ).all()
         were_unknown = {
             op_id
@@ -112,10 +115,12 @@ def report(
     )
     unknown_resolved = Counter(f"{r.resolution} -> {r.state}" for r in rows if r.id in were_unknown)
     ledger = sandbox.ledger()
+    # The provider knows our downstream keys, never our operation ids.
+    by_key = {r.downstream_key: r.id for r in rows}
     effects_per_op: Counter[str] = Counter()
     for entry in ledger:
         if entry["status"] in MONEY:
-            effects_per_op[str((entry.get("metadata") or {}).get("operation_id"))] += 1
+            effects_per_op[by_key.get(entry["idempotency_key"], "-")] += 1
     ids = {r.id for r in rows}
     duplicates = sum(n - 1 for n in effects_per_op.values() if n > 1)
     orphans = sum(n for op, n in effects_per_op.items() if op not in ids)

@@ -13,9 +13,11 @@ from . import render
 from .runtime import DatabaseUrl, JsonFlag, err, open_store, out, reconciler, settings
 
 if TYPE_CHECKING:
-    from payorch.reconciler import ReconcileReport
+    from payorch.reconciler import Reconciler, ReconcileReport
+    from payorch.settings import Settings
+    from payorch.unexplained import UnexplainedWatch
 
-__all__ = ["reconcile_app"]
+__all__ = ["reconcile_app", "unexplained_watch"]
 
 reconcile_app = typer.Typer(
     help="The reconciler: drive unknown operations to the truth.", no_args_is_help=True
@@ -133,9 +135,14 @@ def run_cmd(
         open_store(database_url) as store,
         reconciler(store, config, batch=batch, concurrency=concurrency) as rec,
     ):
+        watch = unexplained_watch(rec, config)  # refused, if it is, before starting
         logs.reconciler_started(rec.owner, seconds)
         daemon = ReconcilerDaemon(
-            rec, interval=timedelta(seconds=seconds), on_report=on_report, monitor=monitor
+            rec,
+            interval=timedelta(seconds=seconds),
+            on_report=on_report,
+            monitor=monitor,
+            unexplained=watch,
         )
 
         def serving() -> None:  # bound, before the first pass
@@ -145,3 +152,37 @@ def run_cmd(
 
         total = daemon.run(on_start=serving)
     out().print(Text(f"stopped after {daemon.passes} passes; {_summary(total)}"))
+
+
+def unexplained_watch(rec: Reconciler, config: Settings) -> UnexplainedWatch | None:
+    """The daemon's look for effects no operation explains, as the settings ask (or None).
+
+    ``PAYORCH_UNEXPLAINED_PROVIDERS`` names must be configured and able to list, or start-up
+    is refused; left empty, every configured provider that can list is looked at."""
+    if config.unexplained_every_seconds <= 0:
+        return None
+    from payorch.errors import UnknownProvider
+    from payorch.operations import default_registry
+    from payorch.provider import EffectLister
+    from payorch.unexplained import UnexplainedWatch, lister_of
+
+    names = [n.strip() for n in config.unexplained_providers.split(",") if n.strip()]
+    unknown = [n for n in names if n not in rec.providers]
+    if unknown:
+        raise UnknownProvider(
+            f"PAYORCH_UNEXPLAINED_PROVIDERS names {', '.join(unknown)}, not configured here"
+        )
+    chosen = (
+        [lister_of(rec.providers[n]) for n in names]
+        if names
+        else [p for p in rec.providers.values() if isinstance(p, EffectLister)]
+    )
+    return UnexplainedWatch(
+        store=rec.store,
+        providers=chosen,
+        every=timedelta(seconds=config.unexplained_every_seconds),
+        window=timedelta(seconds=config.unexplained_window_seconds),
+        adopt=config.unexplained_adopt,
+        actor=rec.owner,
+        registry=default_registry(),
+    )

@@ -82,7 +82,7 @@ def database_url(value: str | None) -> str:
 def open_store(url: str | None, *, require_sync_standby: bool | None = None) -> Iterator[Store]:
     """A store on an existing database: a missing SQLite file is refused, not created.
     ``require_sync_standby`` defaults to ``PAYORCH_REQUIRE_SYNC_STANDBY``."""
-    from payorch.db import normalise_url
+    from payorch.db import create_engine, normalise_url
     from payorch.store import Store
 
     resolved = database_url(url)
@@ -93,7 +93,7 @@ def open_store(url: str | None, *, require_sync_standby: bool | None = None) -> 
             raise DatabaseUnavailable(
                 f"no database at {path} (run `payorch db upgrade` or pass --database-url)"
             )
-    store = Store.from_url(parsed, require_sync_standby=require_sync_standby)
+    store = Store(create_engine(parsed), require_sync_standby=require_sync_standby)
     try:
         yield store
     finally:

@@ -40,12 +40,9 @@ class AsyncStore:
         self.dialect = self.sync.dialect
 
     @classmethod
-    def from_url(
-        cls, url: str | URL, *, require_sync_standby: bool | None = None, **engine_kwargs: Any
-    ) -> AsyncStore:
+    def from_url(cls, url: str | URL, **engine_kwargs: Any) -> AsyncStore:
         """An async engine configured as :func:`payorch.db.create_engine` configures one."""
-        engine = create_async_engine(url, **engine_kwargs)
-        return cls(engine, require_sync_standby=require_sync_standby)
+        return cls(create_async_engine(url, **engine_kwargs))
 
     async def check_replication(self) -> Status:
         """The start-up check of :meth:`payorch.replication.Guard.check`, awaited: the

@@ -8,6 +8,9 @@ never wait for a batch to finish. SIGTERM/SIGINT set a stop flag: the
 checks in flight finish, the rest of the batch is handed back (leases released), and the
 process exits.
 
+Opt-in, a second job (same defaults) looks for provider effects no operation explains
+(:class:`~payorch.unexplained.UnexplainedWatch`, ``PAYORCH_UNEXPLAINED_EVERY_SECONDS``).
+
 With a monitoring address the daemon also serves, on a small threaded HTTP server:
 ``/metrics`` (Prometheus text format; 404 without the ``payorch[metrics]`` extra),
 ``/healthz`` (200 while the process runs) and ``/readyz`` (200 when the database answers
@@ -29,6 +32,7 @@ from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from ipaddress import ip_address
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
@@ -37,6 +41,9 @@ from .errors import ConfigurationError, StorageError
 from .probes import OneAtATime, replication
 from .reconciler import Reconciler, ReconcileReport
 from .replication import ENV_STRICT, Status
+
+if TYPE_CHECKING:
+    from .unexplained import UnexplainedWatch
 
 __all__ = ["MonitorServer", "ReconcilerDaemon", "parse_address"]
 
@@ -53,6 +60,7 @@ class ReconcilerDaemon:
         interval: timedelta = timedelta(seconds=5),
         on_report: Callable[[ReconcileReport], None] | None = None,
         monitor: tuple[str, int] | None = None,
+        unexplained: UnexplainedWatch | None = None,
     ) -> None:
         if interval <= timedelta(0):
             raise ValueError("interval must be positive")
@@ -63,6 +71,7 @@ class ReconcilerDaemon:
         self.total = ReconcileReport()
         self._on_report = on_report
         self._monitor_address = monitor
+        self.unexplained = unexplained  # the opt-in look for effects no operation explains
         self.monitor: MonitorServer | None = None
         self.started_at = time.monotonic()
         self.last_pass_at: float | None = None  # monotonic end of the last successful pass
@@ -98,6 +107,13 @@ class ReconcilerDaemon:
         if self._on_report is not None:
             self._on_report(report)
         return report
+
+    def _look_for_unexplained(self) -> None:
+        assert self.unexplained is not None
+        try:
+            self.unexplained.run()
+        except Exception:  # a bad look must not kill the daemon; the next one retries
+            log.exception("look for unexplained effects failed")
 
     def readiness(self) -> str | None:
         """Why the daemon is not ready (``None``: ready): the database must answer as a
@@ -140,6 +156,13 @@ class ReconcilerDaemon:
             id="reconcile",
             next_run_time=None,
         )
+        if self.unexplained is not None:
+            self._scheduler.add_job(
+                self._look_for_unexplained,
+                "interval",
+                seconds=self.unexplained.every.total_seconds(),
+                id="unexplained",
+            )
         self._scheduler.start()
         self._scheduler.modify_job("reconcile", next_run_time=datetime.now(UTC))
 

@@ -38,7 +38,9 @@ from .errors import (
     StorageError,
 )
 from .forks import reset_in_child
-from .sessions import Watch
+from .pooling import Pooling, resolve
+from .pooling import configure as configure_pooling
+from .pooling import engine_options as pooling_options
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -101,20 +103,36 @@ def schema_of(engine: Engine) -> str | None:
     return _SCHEMAS.get(engine)
 
 
-def create_engine(url: str | URL, *, schema: str | None = None, **kwargs: Any) -> Engine:
+def create_engine(
+    url: str | URL,
+    *,
+    schema: str | None = None,
+    pooler: str | None = None,
+    listen_url: str | URL | None = None,
+    **kwargs: Any,
+) -> Engine:
     """An engine configured for payorch's concurrency on PostgreSQL or SQLite.
 
     On PostgreSQL, payorch's tables live in ``schema`` (default ``PAYORCH_DB_SCHEMA``, else
     ``public``): the connections' ``search_path`` names it, set at connect time so no
-    statement pays for it.
+    statement pays for it. ``pooler`` and ``listen_url`` (defaults
+    ``PAYORCH_DATABASE_POOLER``, ``PAYORCH_LISTEN_DATABASE_URL``) say whether ``url`` is a
+    pooler and where waiters listen: :mod:`payorch.pooling`.
     """
-    parsed, name = _engine_options(url, schema, kwargs)
+    parsed, name, pooling = _engine_options(url, schema, pooler, listen_url, kwargs)
     engine = sa.create_engine(parsed, **kwargs)
-    _configure(engine, name)
+    _configure(engine, name, pooling)
     return engine
 
 
-def create_async_engine(url: str | URL, *, schema: str | None = None, **kwargs: Any) -> AsyncEngine:
+def create_async_engine(
+    url: str | URL,
+    *,
+    schema: str | None = None,
+    pooler: str | None = None,
+    listen_url: str | URL | None = None,
+    **kwargs: Any,
+) -> AsyncEngine:
     """:func:`create_engine`'s twin for the async API: the same pool sizes, pragmas, BEGIN
     IMMEDIATE and schema, over psycopg's async driver or aiosqlite.
 
@@ -123,7 +141,7 @@ def create_async_engine(url: str | URL, *, schema: str | None = None, **kwargs: 
     """
     from sqlalchemy.ext.asyncio import create_async_engine as _create
 
-    parsed, name = _engine_options(url, schema, kwargs)
+    parsed, name, pooling = _engine_options(url, schema, pooler, listen_url, kwargs)
     if parsed.get_backend_name() == "sqlite":
         parsed = parsed.set(drivername="sqlite+aiosqlite")
         # aiosqlite runs each connection on its own thread; sqlite3's check has no say.
@@ -131,14 +149,19 @@ def create_async_engine(url: str | URL, *, schema: str | None = None, **kwargs: 
             k: v for k, v in kwargs["connect_args"].items() if k != "check_same_thread"
         }
     engine = _create(parsed, **kwargs)
-    _configure(engine.sync_engine, name)
+    _configure(engine.sync_engine, name, pooling)
     return engine
 
 
 def _engine_options(
-    url: str | URL, schema: str | None, kwargs: dict[str, Any]
-) -> tuple[URL, str | None]:
-    """Fill ``kwargs`` with payorch's engine defaults; the URL and the PostgreSQL schema."""
+    url: str | URL,
+    schema: str | None,
+    pooler: str | None,
+    listen_url: str | URL | None,
+    kwargs: dict[str, Any],
+) -> tuple[URL, str | None, Pooling]:
+    """Fill ``kwargs`` with payorch's engine defaults; the URL, the PostgreSQL schema and
+    the pooling."""
     parsed = normalise_url(url)
     pooled = "poolclass" not in kwargs  # sizes apply to the default QueuePool only
     if parsed.get_backend_name() == "sqlite":
@@ -147,7 +170,7 @@ def _engine_options(
             kwargs.setdefault("pool_size", 8)
             kwargs.setdefault("max_overflow", 32)
             kwargs.setdefault("pool_timeout", 120)
-        return parsed, None
+        return parsed, None, Pooling()
     if pooled:
         kwargs.setdefault("pool_size", 10)
         kwargs.setdefault("max_overflow", 20)  # 30 connections: well under a server's 100
@@ -155,19 +178,23 @@ def _engine_options(
     # No pre-ping (a round trip per checkout): _configure_postgres checks the socket instead.
     kwargs.setdefault("pool_pre_ping", False)
     name = _schema(schema)
-    if name != "public":
+    pooling = resolve(pooler, listen_url)
+    # A transaction pooler refuses the startup option: there the server sets search_path.
+    if name != "public" and not pooling.per_transaction:
         connect_args = dict(kwargs.pop("connect_args", {}))
         connect_args["options"] = f"{connect_args.get('options', '')} -c search_path={name}"
         kwargs["connect_args"] = connect_args
-    return parsed, name
+    pooling_options(pooling, kwargs)
+    return parsed, name, pooling
 
 
-def _configure(engine: Engine, schema: str | None) -> None:
+def _configure(engine: Engine, schema: str | None, pooling: Pooling) -> None:
     if schema is None:
         _configure_sqlite(engine)
     else:
         _SCHEMAS[engine] = schema
         _configure_postgres(engine)
+        configure_pooling(engine, pooling, schema)
     # A forked child starts with an empty pool of its own.
     reset_in_child(engine, _forget_connections)
 
@@ -359,12 +386,12 @@ def run_in_transaction(engine: Engine, fn: Callable[[Connection], T], *, write: 
             with engine.connect() as conn:
                 conn.execution_options(**{_WRITE_OPTION: write})
                 with conn.begin() as txn:
-                    watch = _session(conn)
+                    watch = sessions.session(conn)
                     result = fn(conn)
                     committing = True
                     txn.commit()
                 if write:
-                    _after_commit(watch)
+                    sessions.after_commit(watch)
                 return result
         except exc.SQLAlchemyError as err:
             _judge(
@@ -393,11 +420,11 @@ def run_statement(engine: Engine, fn: Callable[[Connection], T], *, write: bool 
         try:
             with engine.connect() as conn:
                 conn.execution_options(isolation_level="AUTOCOMMIT")
-                watch = _session(conn)
+                watch = sessions.session(conn)
                 sent = True
                 result = fn(conn)
             if write:
-                _after_commit(watch)
+                sessions.after_commit(watch)
             return result
         except exc.SQLAlchemyError as err:
             # Broken before our statement, or a broken read: nothing to be uncertain
@@ -452,7 +479,7 @@ def _run_sql(
         try:
             watch = None
             if was or _set_autocommit(fairy, driver, True):
-                watch = sessions.watch_of(fairy.info) or _first_use(fairy, driver, error)
+                watch = sessions.watch_of(fairy.info) or sessions.first_use(fairy, driver, error)
             if watch is None:
                 # Unusable before anything was sent: nothing to be uncertain about.
                 if attempt == 0:
@@ -481,47 +508,6 @@ def _run_sql(
                 _set_autocommit(fairy, driver, was)
             fairy.close()  # back to the pool (or, invalidated, discarded)
     raise StorageError("statement retries exhausted")  # pragma: no cover - loop returns/raises
-
-
-def _first_use(fairy: Any, driver: Any, error: type[Exception]) -> Watch | None:
-    """A connection payorch has not used yet (in autocommit): it must be a read-write
-    primary (else ``DatabaseReadOnly``, the connection discarded); its watch, or None if
-    it broke (discarded: nothing of ours was sent)."""
-    try:
-        row = driver.execute(sessions.ROLE_SQL).fetchone()
-    except error as orig:
-        fairy.invalidate(orig)
-        return None
-    try:
-        return sessions.adopt(fairy.info, fairy.dbapi_connection, row)
-    except StorageError:
-        fairy.invalidate()
-        raise
-
-
-def _session(conn: Connection) -> Watch | None:
-    """The same for a SQLAlchemy connection (PostgreSQL; None on SQLite), its watch reset
-    for the statements to come."""
-    if conn.dialect.name != "postgresql":
-        return None
-    info = conn.connection.info
-    watch = sessions.watch_of(info)
-    if watch is None:
-        row = conn.exec_driver_sql(sessions.ROLE_SQL).first()
-        try:
-            watch = sessions.adopt(info, conn.connection.dbapi_connection, row)
-        except StorageError:
-            conn.invalidate()
-            raise
-    watch.seen = None
-    return watch
-
-
-def _after_commit(watch: Watch | None) -> None:
-    """A write committed: uncertain after all if its wait for a synchronous standby was
-    cancelled (the commit then exists on the primary alone)."""
-    if watch is not None and watch.seen is not None:
-        raise sessions.wait_cancelled(watch.seen)
 
 
 def _runs_on_driver(engine: Engine) -> bool:

@@ -22,7 +22,8 @@ and may have reached the provider. No error ever invites a new key.
     │   ├── InvalidMoney                    400  float / non-integer amounts, bad currency
     │   ├── UnencodableRequest              400  no canonical JSON form (surrogate, NaN, set…)
     │   ├── RequestBodyNotJson              400  an HTTP request body that is not JSON
-    │   └── UnknownProvider                 400  the caller named a provider not configured
+    │   ├── UnknownProvider                 400  the caller named a provider not configured
+    │   └── ListingUnsupported              400  that provider's adapter cannot list effects
     ├── IdempotencyError
     │   ├── IdempotencyKeyReused            422  same namespace, other fingerprint
     │   ├── OperationInProgress             409  + retry_after
@@ -37,7 +38,8 @@ and may have reached the provider. No error ever invites a new key.
     │                                            StorageError: nothing committed, same key
     ├── ProviderError                       502
     │   ├── ProviderIdempotencyError        502  provider says our key was reused differently
-    │   └── ProviderUnavailable             503  + retry_after; nothing was sent: same key
+    │   ├── ProviderUnavailable             503  + retry_after; nothing was sent: same key
+    │   └── ProviderListingFailed           502  a listing of effects could not be read
     ├── WebhookRejected                     400
     │   ├── WebhookSignatureInvalid         400  missing/bad signature or stale timestamp
     │   └── WebhookMalformed                400  not JSON / not the provider's shape
@@ -69,12 +71,14 @@ __all__ = [
     "InvalidRequest",
     "InvalidTenant",
     "InvalidTransition",
+    "ListingUnsupported",
     "OperationInProgress",
     "OperationNotFound",
     "OutcomeNotRecorded",
     "PayorchError",
     "ProviderError",
     "ProviderIdempotencyError",
+    "ProviderListingFailed",
     "ProviderUnavailable",
     "RequestBodyNotJson",
     "RequestValidationFailed",
@@ -361,3 +365,22 @@ class WebhookUnstorable(WebhookMalformed):
     the same 400, never a 503 that would invite retries for ever."""
 
     problem_type = "urn:payorch:problem:webhook-unstorable"
+
+
+class ListingUnsupported(InvalidRequest):
+    """The named provider's adapter cannot list the effects it holds (it implements no
+    :class:`~payorch.provider.EffectLister`), so no listing can be checked against it."""
+
+    problem_type = "urn:payorch:problem:listing-unsupported"
+
+
+class ProviderListingFailed(ProviderError):
+    """A page of the provider's effects could not be read (transport error, 429, 5xx, an
+    unreadable body, or more pages than the listing's bound): nothing was decided from it.
+    ``code`` says why (e.g. ``http_503``, ``ConnectError``, ``too_many_pages``)."""
+
+    problem_type = "urn:payorch:problem:provider-listing-failed"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code

@@ -272,10 +272,14 @@ class Executor:
 
 def _not_sent(record: OperationRecord) -> ProviderUnavailable:
     code = record.error_code or "provider_unavailable"
+    said = (record.response or {}).get("retry_after")
+    # The provider's own Retry-After (60 s for refused credentials) when it gave one.
+    retry_after = float(said) if isinstance(said, int | float) and said > 0 else None
     return ProviderUnavailable(
         f"operation {record.id}: no attempt reached provider {record.provider!r} ({code}); "
         "nothing was charged: retry with the same idempotency key after Retry-After seconds",
         operation_id=record.id,
+        retry_after=retry_after,
         code=code,
     )
 
@@ -399,8 +403,8 @@ def submit_and_record(
             "resolution": actor_kind if decision.state.terminal else None,
             "provider_reference": decision.provider_reference,
         }
-        released = answer.kind is AnswerKind.NOT_SENT and not_sent_is_final
-        if released:
+        released = decision.state is State.IN_PROGRESS and not_sent_is_final
+        if answer.kind is AnswerKind.NOT_SENT and not_sent_is_final:
             values["possibly_sent"] = False  # every attempt was refused before sending
         if attention:
             values["needs_attention"] = True

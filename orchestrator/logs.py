@@ -101,11 +101,14 @@ def _text(value: Any) -> str:
 
 
 def refused(call: Mapping[str, Any], exc: Exception) -> None:
-    """``execute()`` raised: INFO for the caller's (4xx), ERROR for ours (5xx, unexpected)."""
-    from .errors import PayorchError
+    """``execute()`` raised: INFO for the caller's (4xx), WARNING for a provider that could
+    not be reached (nothing sent; the same key runs again), ERROR for ours (5xx, unexpected)."""
+    from .errors import PayorchError, ProviderUnavailable
 
     status = exc.http_status if isinstance(exc, PayorchError) else 500
     level = logging.INFO if status < 500 else logging.ERROR
+    if isinstance(exc, ProviderUnavailable):
+        level = logging.WARNING
     if not executor_log.isEnabledFor(level):
         return
     emit(

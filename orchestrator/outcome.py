@@ -12,6 +12,7 @@ from .provider import Answer, AnswerKind
 from .records import OperationRecord
 
 __all__ = [
+    "REFUSED_BEFORE_SENDING",
     "Decision",
     "Outcome",
     "contradicts",
@@ -20,6 +21,10 @@ __all__ = [
     "late_conflict",
     "settled",
 ]
+
+# An adapter's refusal of the request itself, before sending (executor._submit_once): the
+# same request can never be sent, so it is a final answer (422), not a transient one.
+REFUSED_BEFORE_SENDING = frozenset({"request_unencodable", "invalid_request"})
 
 # Stored outcomes carry the status an HTTP front end should replay.
 _STATUS_FOR_STATE = {
@@ -121,13 +126,34 @@ def decide(
             error_code=answer.code or "declined",
             provider_reference=ref,
         )
+    refused = answer.kind is AnswerKind.NOT_SENT and answer.code in REFUSED_BEFORE_SENDING
+    if refused and not_sent_is_final:
+        # The adapter could not turn this very request into bytes: it never will, so the
+        # key's answer is final, and what must change is the request (nothing was sent).
+        # (A re-submission stays unknown instead: its first attempt may still surface.)
+        return Decision(
+            state=State.FAILED_FINAL,
+            response={
+                "status": "failed",
+                "http_status": 422,
+                "code": answer.code,
+                "message": answer.message,
+            },
+            error_code=answer.code,
+            provider_reference=ref,
+        )
     if answer.kind is AnswerKind.NOT_SENT and not_sent_is_final:
         # Certain that nothing reached the provider: no outcome is stored (a transient
         # failure is not an answer to the key). The operation is released, in_progress and
-        # leased by nobody, and the namespace's next request runs it again.
+        # leased by nobody, and the namespace's next request runs it again; the response
+        # keeps what the caller is told meanwhile (when to come back, and why).
         return Decision(
             state=State.IN_PROGRESS,
-            response=None,
+            response={
+                "status": "not_sent",
+                "code": answer.code or "provider_unavailable",
+                "retry_after": answer.retry_after,
+            },
             error_code=answer.code or "provider_unavailable",
             provider_reference=ref,
         )

@@ -15,7 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from .core import State, validate_tenant
+from .core import State, canonical_idempotency_key, validate_tenant
 from .db import read_in_transaction
 from .errors import CorruptRecord, InvalidRequest
 from .records import OperationRecord
@@ -151,7 +151,7 @@ def list_operations(
     if provider_reference is not None:
         where.append(t.provider_reference == provider_reference)
     if idempotency_key is not None:
-        where.append(t.idempotency_key == idempotency_key)
+        where.append(t.idempotency_key == canonical_idempotency_key(idempotency_key))
     if operation is not None:
         where.append(t.operation == operation)
     if provider is not None:

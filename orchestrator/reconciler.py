@@ -266,7 +266,12 @@ class Reconciler:
             # namespace's next request runs it again (same downstream key).
             reason = {"reason": "lease expired and no attempt was possibly sent"}
             self._write(
-                record, State.IN_PROGRESS, kind="abandoned", actor=self.owner, detail=reason
+                record,
+                State.IN_PROGRESS,
+                kind="abandoned",
+                actor=self.owner,
+                detail=reason,
+                possibly_sent=False,  # as it was; it also wakes waiters, who may run it
             )
             return "abandoned"
         provider = self.providers.get(record.provider)

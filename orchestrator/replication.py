@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -43,7 +44,16 @@ from .db import read_in_transaction, run_sql
 from .errors import ConfigurationError, DatabaseReadOnly, SyncStandbyUnavailable
 from .sessions import refuse_autocommit
 
-__all__ = ["ENV_STRICT", "MODES", "Guard", "Status", "read_status", "report", "strict_from_env"]
+__all__ = [
+    "ENV_STRICT",
+    "MODES",
+    "Guard",
+    "Status",
+    "gate",
+    "read_status",
+    "report",
+    "strict_from_env",
+]
 
 ENV_STRICT = "PAYORCH_REQUIRE_SYNC_STANDBY"
 MODES = ("sync", "sync_blocked", "async", "none", "unknown", "read_only", "local")
@@ -203,19 +213,39 @@ def strict_from_env() -> bool:
     raise ConfigurationError(f"{ENV_STRICT}={raw!r}: use 1 or 0")
 
 
+_STRICT: weakref.WeakKeyDictionary[Engine, Guard] = weakref.WeakKeyDictionary()
+
+
+def gate(engine: Engine) -> None:
+    """Before a claim on ``engine`` (PostgreSQL's claim statement): refused unless a
+    synchronous standby streams, if a strict store runs on it; else nothing, no I/O."""
+    guard = _STRICT.get(engine)
+    if guard is not None:
+        guard.before_claim()
+
+
 class Guard:
     """A store's replication checks: its engine must give atomic transactions, and with
-    ``require_sync_standby`` its claims need a synchronous standby streaming."""
+    ``require_sync_standby`` its claims need a synchronous standby streaming (checked now,
+    and before every claim on the engine: :func:`gate`). A store refused at start-up leaves
+    no connection open in the engine's pool (the engine stays usable)."""
 
     def __init__(self, engine: Engine, *, require_sync_standby: bool | None = None) -> None:
         refuse_autocommit(engine)
         self.engine = engine
         self.strict = strict_from_env() if require_sync_standby is None else require_sync_standby
         self._reported = False  # the start-up line is logged once
+        if not self.strict:
+            return
         # The async API's engine cannot be read outside the bridge: its store checks at
         # its start-up call (AsyncStore.check_replication) and before each claim.
-        if self.strict and not engine.dialect.is_async:
-            self.check()
+        if not engine.dialect.is_async:
+            try:
+                self.check()
+            except BaseException:
+                engine.dispose()
+                raise
+        _STRICT[engine] = self
 
     def status(self) -> Status:
         return read_status(self.engine)

@@ -21,17 +21,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import URL, Connection, Engine
 
-from .errors import CommitUncertain, ConfigurationError, DatabaseReadOnly
+from .errors import CommitUncertain, ConfigurationError, DatabaseReadOnly, StorageError
 
 __all__ = [
     "ROLE_SQL",
     "Watch",
     "adopt",
+    "after_commit",
     "conninfo",
+    "first_use",
     "read_only_error",
     "refuse_autocommit",
+    "session",
     "wait_cancelled",
     "watch_of",
 ]
@@ -90,6 +93,47 @@ def adopt(info: dict[Any, Any], dbapi_connection: Any, row: Any) -> Watch:
     return watch
 
 
+def first_use(fairy: Any, driver: Any, error: type[Exception]) -> Watch | None:
+    """A connection payorch has not used yet (in autocommit): it must be a read-write
+    primary (else ``DatabaseReadOnly``, the connection discarded); its watch, or None if
+    it broke (discarded: nothing of ours was sent)."""
+    try:
+        row = driver.execute(ROLE_SQL).fetchone()
+    except error as orig:
+        fairy.invalidate(orig)
+        return None
+    try:
+        return adopt(fairy.info, fairy.dbapi_connection, row)
+    except StorageError:
+        fairy.invalidate()
+        raise
+
+
+def session(conn: Connection) -> Watch | None:
+    """The same for a SQLAlchemy connection (PostgreSQL; None on SQLite), its watch reset
+    for the statements to come."""
+    if conn.dialect.name != "postgresql":
+        return None
+    info = conn.connection.info
+    watch = watch_of(info)
+    if watch is None:
+        row = conn.exec_driver_sql(ROLE_SQL).first()
+        try:
+            watch = adopt(info, conn.connection.dbapi_connection, row)
+        except StorageError:
+            conn.invalidate()
+            raise
+    watch.seen = None
+    return watch
+
+
+def after_commit(watch: Watch | None) -> None:
+    """A write committed: uncertain after all if its wait for a synchronous standby was
+    cancelled (the commit then exists on the primary alone)."""
+    if watch is not None and watch.seen is not None:
+        raise wait_cancelled(watch.seen)
+
+
 def _where(driver: Any) -> str:
     info = getattr(driver, "info", None)
     if info is None:  # pragma: no cover - not psycopg
@@ -133,12 +177,13 @@ def refuse_autocommit(engine: Engine) -> None:
         )
 
 
-def conninfo(engine: Engine) -> str:
-    """The engine's URL as a libpq connection string, for a connection payorch opens
-    outside the pool (the waiters' LISTEN): multi-host lists and ``target_session_attrs``
-    as the dialect reads them from ``?host=a:1&host=b:2``, so it reaches the same primary."""
+def conninfo(engine: Engine, url: URL | None = None) -> str:
+    """``url`` (default: the engine's) as a libpq connection string, for a connection
+    payorch opens outside the pool (the waiters' LISTEN): multi-host lists and
+    ``target_session_attrs`` as the engine's dialect reads them from ``?host=a:1&host=b:2``,
+    so it reaches the same primary."""
     from psycopg.conninfo import make_conninfo
 
-    args, params = engine.dialect.create_connect_args(engine.url)
+    args, params = engine.dialect.create_connect_args(url if url is not None else engine.url)
     text = {k: str(v) for k, v in params.items() if isinstance(v, str | int)}
     return make_conninfo(str(args[0]) if args else "", **text)

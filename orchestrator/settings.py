@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -16,6 +18,11 @@ class Settings(BaseSettings):
     database_url: str = "sqlite:///payorch.db"
     # PostgreSQL only: the schema payorch's tables (and its version table) live in.
     db_schema: str = Field(default="public", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
+    # PostgreSQL only, read by the engine itself (payorch.pooling): "transaction" when
+    # database_url is a transaction-pooling PgBouncer; waiters then LISTEN on
+    # listen_database_url (the server, not the pooler) or, without it, poll.
+    database_pooler: Literal["none", "session", "transaction"] = "none"
+    listen_database_url: str | None = None
     # The reconciler's lease must cover three provider calls (a lookup, a read and a
     # re-submission): 151 s with the Stripe adapter's default time-outs.
     lease_seconds: float = Field(default=180.0, gt=0)
@@ -33,6 +40,13 @@ class Settings(BaseSettings):
     not_found_grace_seconds: float = Field(default=60.0, ge=0)
     max_checks: int = Field(default=20, gt=0)
     max_unknown_age_seconds: float = Field(default=24 * 3600.0, gt=0)
+    # `payorch reconcile run` looks for provider effects no operation explains every this
+    # many seconds (0: never), over the trailing window, at the providers named (comma
+    # separated; empty: every configured one that can list), and adopts them when asked.
+    unexplained_every_seconds: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    unexplained_window_seconds: float = Field(default=24 * 3600.0, gt=0, le=366 * 86400.0)
+    unexplained_providers: str = ""
+    unexplained_adopt: bool = False
     sandbox_url: str = "http://127.0.0.1:8765"
     sandbox_webhook_secret: str | None = None
     stripe_api_key: str | None = None

@@ -24,7 +24,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Engine
 
-from . import pg_writes
+from . import pg_writes, replication
 from .core import State, check_transition
 from .db import create_engine, run_in_transaction, run_statement, schema_of
 from .errors import (
@@ -35,13 +35,11 @@ from .errors import (
     StaleVersion,
 )
 from .forks import reset_in_child
+from .pooling import listen_dsn
 from .records import ClaimResult, NewOperation, OperationRecord
-from .replication import Guard
-from .sessions import conninfo
 from .statements import (
     PG_CLAIMED,
     PG_EXISTING,
-    REPLAY_BY_ID,
     REPLAY_BY_NAMESPACE,
     add_event,
     build_claim,
@@ -49,6 +47,7 @@ from .statements import (
     new_id,
 )
 from .store_reads import Reads
+from .store_replays import Replays
 from .tables import db_now, operations
 from .waiting import NOTIFY_CHANNEL, Listener, Mark, wait_until_settled
 from .work_queue import QUARANTINE_EVENT, QUARANTINE_HOLD, WorkQueue
@@ -79,13 +78,12 @@ def look_again_after(record: OperationRecord, lease_remaining: float) -> float:
     return max(1.0, round(wait, 1))
 
 
-class Store(Reads, WorkQueue):
+class Store(Reads, Replays, WorkQueue):
     """Operations and their events on PostgreSQL or SQLite."""
 
     def __init__(self, engine: Engine, *, require_sync_standby: bool | None = None) -> None:
-        self.engine = engine
-        self.replication = Guard(engine, require_sync_standby=require_sync_standby)
-        self.dialect = engine.dialect.name
+        self.engine, self.dialect = engine, engine.dialect.name
+        self.replication = replication.Guard(engine, require_sync_standby=require_sync_standby)
         # Hot statements are built once: SQLAlchemy then skips coercion and cache-key work.
         self._claim_stmt = build_claim(
             postgresql.insert if self.dialect == "postgresql" else sqlite.insert
@@ -103,15 +101,8 @@ class Store(Reads, WorkQueue):
         self._listener_lock = threading.Lock()
 
     @classmethod
-    def from_url(
-        cls, url: str | URL, *, require_sync_standby: bool | None = None, **engine_kwargs: Any
-    ) -> Store:
-        engine = create_engine(url, **engine_kwargs)
-        try:
-            return cls(engine, require_sync_standby=require_sync_standby)
-        except BaseException:
-            engine.dispose()  # refused at start-up: no connection left open
-            raise
+    def from_url(cls, url: str | URL, **engine_kwargs: Any) -> Store:
+        return cls(create_engine(url, **engine_kwargs))
 
     def close(self) -> None:
         if self._listener is not None:
@@ -119,14 +110,18 @@ class Store(Reads, WorkQueue):
         self.engine.dispose()
 
     def listener(self) -> Listener | None:
-        """The shared LISTEN connection for waiters (PostgreSQL), started on first use."""
+        """The shared LISTEN connection for waiters, started on first use; None where they
+        poll (SQLite; a transaction pooler with no ``listen_url``: :mod:`payorch.pooling`)."""
         if not self.is_postgres:
             return None
         with self._listener_lock:
             if self._listener is None:
+                dsn = listen_dsn(self.engine)
+                if dsn is None:
+                    return None
                 schema = schema_of(self.engine)
                 self._listener = Listener(
-                    conninfo(self.engine),  # multi-host and target_session_attrs included
+                    dsn,  # a libpq conninfo: multi-host and target_session_attrs included
                     # It reads for woken waiters, on its own connection: payorch's tables.
                     reader=pg_writes.reread_for,
                     options=f"-c search_path={schema}" if schema not in (None, "public") else None,
@@ -158,7 +153,6 @@ class Store(Reads, WorkQueue):
         A released operation (nothing was sent before, :attr:`OperationRecord.released`) is
         taken over, same fingerprint and downstream key, and returned as ``created``.
         """
-        self.replication.before_claim()  # strict: no claim without a synchronous standby
         for _ in range(_TAKE_OVER_ATTEMPTS):
             result = self._claim_once(
                 new, owner=owner, lease=lease, possibly_sent=possibly_sent, wait=wait
@@ -579,53 +573,7 @@ class Store(Reads, WorkQueue):
         """
         return wait_until_settled(self, record, wait)
 
-    def count_replays(self, record: OperationRecord, replays: int) -> None:
-        """Count ``replays`` answers given from ``record`` (terminal) without reading it
-        (joiners of a flight: :mod:`payorch.flights`). PostgreSQL only; a lost answer only
-        leaves the count in doubt."""
-        pg_writes.reread(self.engine, record, replays)
-
     # -- helpers ----------------------------------------------------------------------
-
-    def _reread(self, record: OperationRecord) -> OperationRecord:
-        """``record`` as it is now, its replay counted if it is terminal (a waiter's look):
-        one statement on PostgreSQL."""
-        if self.is_postgres:
-            return pg_writes.reread(self.engine, record)
-
-        def txn(conn: Connection) -> OperationRecord:
-            counted = self._count_replay(conn, record)
-            if counted is not None:
-                return counted
-            row = (
-                conn.execute(
-                    sa.select(operations).where(
-                        operations.c.tenant_id == record.tenant_id,
-                        operations.c.id == record.id,
-                    )
-                )
-                .mappings()
-                .one()
-            )
-            return OperationRecord.from_row(row)
-
-        return run_in_transaction(self.engine, txn)
-
-    def _count_replay(self, conn: Connection, record: OperationRecord) -> OperationRecord | None:
-        """Count one replay of ``record`` (terminal, not reaped); the row as it is now."""
-        row = (
-            conn.execute(
-                REPLAY_BY_ID,
-                {
-                    "r_tenant_id": record.tenant_id,
-                    "r_id": record.id,
-                    "r_fingerprint": record.fingerprint,
-                },
-            )
-            .mappings()
-            .first()
-        )
-        return OperationRecord.from_row(row) if row is not None else None
 
     def _insert(self, table: sa.Table) -> Any:
         return postgresql.insert(table) if self.is_postgres else sqlite.insert(table)

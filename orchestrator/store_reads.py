@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from .core import canonical_idempotency_key
 from .db import read_in_transaction
 from .errors import OperationNotFound
 from .records import EventRecord, OperationRecord
@@ -48,6 +49,8 @@ class Reads:
         return found
 
     def get_by_namespace(self, tenant_id: str, operation: str, key: str) -> OperationRecord:
+        """The operation of a namespace; ``key`` in either of its forms (quoted or bare)."""
+        key = canonical_idempotency_key(key)
         t = operations.c
         found = self._one(
             t.tenant_id == tenant_id, t.operation == operation, t.idempotency_key == key

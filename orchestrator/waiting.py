@@ -8,7 +8,16 @@ only where that read cannot be shared: once after it registers, unless the liste
 vouch that no NOTIFY for it came since the claim's read (it was listening throughout), and
 every ``_POLL_CAP`` seconds as a safety net. However many requests wait, they cost one
 connection and no database work while nothing changes; if that connection fails, waiters
-poll every ``_POLL_FALLBACK`` seconds until it is back. SQLite waiters poll with backoff.
+poll every ``_POLL_FALLBACK`` seconds until it is back. SQLite waiters poll with backoff,
+and so do PostgreSQL waiters behind a transaction pooler with no direct URL to listen on
+(:mod:`payorch.pooling`): a LISTEN there holds on whichever server connection it ran.
+
+A wait never trusts the listener to answer: it re-reads on its own schedule, waits for the
+listener's shared read at most ``_DELIVERY_WAIT`` seconds before reading for itself, and so
+ends within its ``wait`` plus that and one read even if the LISTEN connection hangs (a peer
+that stops answering). A listener whose read or heartbeat is overdue is not trusted (its
+waiters poll as if it were down); one stuck for ``_STUCK_AFTER`` seconds has its connection
+cut by the next waiter that notices, so it reconnects.
 
 Under the async API (:mod:`payorch.bridge`) a wait never blocks the event loop: naps are
 ``asyncio.sleep`` and the listener thread wakes a waiter through its loop.
@@ -18,10 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +50,19 @@ NOTIFY_CHANNEL = "payorch_operations"
 _POLL_CAP = 5.0  # seconds between re-reads while the listener is up (NOTIFY wakes sooner)
 _POLL_FALLBACK = 1.0  # seconds between re-reads while it is not
 _RECONNECT_DELAY = 1.0
+# A read on a healthy connection takes milliseconds. Past this a waiter reads for itself
+# and the listener is not trusted; past _STUCK_AFTER its connection is taken for hung.
+_DELIVERY_WAIT = 2.0
+_STUCK_AFTER = 10.0
+_HEARTBEAT = 5.0  # seconds of silence after which the listener checks its connection
+# libpq's: a dead peer ends the LISTEN connection in about half a minute, not hours.
+_KEEPALIVES: dict[str, Any] = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
 
 
 class Waker:
@@ -71,15 +95,18 @@ class Waker:
         self._delivered.set()
         self.set()
 
-    def delivery(self) -> OperationRecord | None:
-        """Wait for the listener's read (it is one statement away); take it."""
-        self._await_delivery()
+    @property
+    def delivered(self) -> bool:
+        return self._delivered.is_set()
+
+    def await_delivery(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the listener's read; True once it came."""
+        return self._delivered.wait(timeout)
+
+    def take(self) -> OperationRecord | None:
         self._delivered.clear()
         fresh, self._fresh = self._fresh, None
         return fresh
-
-    def _await_delivery(self) -> None:
-        self._delivered.wait()
 
 
 class LoopWaker(Waker):
@@ -105,10 +132,16 @@ class LoopWaker(Waker):
             wait_for(asyncio.wait_for(self._woken.wait(), seconds))
         self._woken.clear()
 
-    def _await_delivery(self) -> None:
+    def await_delivery(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
         while not self._delivered.is_set():
-            wait_for(self._arrived.wait())
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                wait_for(asyncio.wait_for(self._arrived.wait(), remaining))
             self._arrived.clear()
+        return True
 
 
 # A reader runs the waiters' read on the listener's own psycopg connection: (connection,
@@ -137,15 +170,22 @@ class Listener:
         self._seq = 0  # NOTIFYs received
         self._recent: OrderedDict[str, int] = OrderedDict()  # key -> its last NOTIFY's number
         self._forgotten = 0  # the highest number dropped from _recent
+        self._pg: Any = None  # the LISTEN connection (under _lock), for cut_if_stuck
+        self._busy_since: float | None = None  # when its read or heartbeat began
 
     @property
     def listening(self) -> bool:
-        return self._listening.is_set()
+        """LISTEN holds and the connection answers: a NOTIFY would be heard."""
+        return self._listening.is_set() and not self._overdue(_DELIVERY_WAIT)
+
+    def _overdue(self, seconds: float) -> bool:
+        since = self._busy_since
+        return since is not None and time.monotonic() - since > seconds
 
     def mark(self) -> Mark | None:
         """Taken before a read that may find an operation in progress; see :meth:`register`."""
         with self._lock:
-            return (self._generation, self._seq) if self._listening.is_set() else None
+            return (self._generation, self._seq) if self.listening else None
 
     def register(
         self, key: str, record: OperationRecord | None = None, *, since: Mark | None = None
@@ -162,7 +202,7 @@ class Listener:
         with self._lock:
             generation, seq = since if since is not None else (-1, -1)
             event.look_first = not (
-                self._listening.is_set()
+                self.listening
                 and generation == self._generation
                 and seq >= self._forgotten
                 and self._recent.get(key, -1) <= seq
@@ -194,6 +234,39 @@ class Listener:
         with self._lock:
             event.looking = event.serving = False
 
+    def take_delivery(self, event: Waker) -> tuple[bool, OperationRecord | None]:
+        """The listener's read for ``event`` (after :meth:`begin_look` said it is reading),
+        waited for at most ``_DELIVERY_WAIT``: (True, the record, or None if the read
+        failed), or (False, None) if it is late. Either way without a record, read for
+        yourself; what a late read delivers later goes to nobody."""
+        if not event.await_delivery(_DELIVERY_WAIT):
+            with self._lock:
+                if not event.delivered:  # else it came just now: take it
+                    event.serving = False
+                    late = True
+                else:
+                    late = False
+            if late:
+                self.cut_if_stuck()
+                return False, None
+        return True, event.take()
+
+    def cut_if_stuck(self, *, closing: bool = False) -> None:
+        """Shut the LISTEN connection's socket down if its read or heartbeat is overdue
+        (or the listener is closing): the blocked call then fails, and the listener
+        reconnects or ends."""
+        with self._lock:  # the listener drops _pg under the lock before closing it
+            if self._pg is None or not (closing or self._overdue(_STUCK_AFTER)):
+                return
+            try:
+                # A duplicate of the descriptor: shutting it down ends the connection, and
+                # closing it leaves the listener's own descriptor to psycopg.
+                dup = socket.socket(fileno=os.dup(self._pg.pgconn.socket))
+            except Exception:  # noqa: BLE001 - psycopg.Error or OSError: it is closing anyway
+                return
+        with dup, contextlib.suppress(OSError):
+            dup.shutdown(socket.SHUT_RDWR)
+
     def start(self, timeout: float) -> bool:
         """Start listening now rather than for the first waiter; True once LISTEN holds."""
         with self._lock:
@@ -213,6 +286,7 @@ class Listener:
 
     def close(self) -> None:
         self._stop.set()
+        self.cut_if_stuck(closing=True)  # a thread blocked on a hung peer ends now
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=_POLL_CAP * 3)
@@ -243,14 +317,25 @@ class Listener:
         fresh = None
         try:
             assert self._reader is not None and serve[0].record is not None
-            fresh = self._reader(pg, serve[0].record, len(serve))
+            with self._busy():
+                fresh = self._reader(pg, serve[0].record, len(serve))
         except PayorchError:
             # A row that cannot be read (or is gone): each waiter reads it and gets the
             # error itself; the listener goes on. A connection error goes up: reconnect.
             pass
         finally:  # None (the read failed): each waiter reads for itself
-            for event in serve:
-                event.deliver(fresh)
+            with self._lock:  # not to those that gave up waiting (take_delivery)
+                for event in serve:
+                    if event.serving:
+                        event.deliver(fresh)
+
+    @contextlib.contextmanager
+    def _busy(self) -> Iterator[None]:
+        self._busy_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._busy_since = None
 
     def _run(self) -> None:
         # Imported here: psycopg is the `postgres` extra, absent from a SQLite-only install.
@@ -260,24 +345,41 @@ class Listener:
         while not self._stop.is_set():
             try:
                 with psycopg.connect(
-                    self._dsn, autocommit=True, connect_timeout=10, **options
+                    self._dsn, autocommit=True, connect_timeout=10, **_KEEPALIVES, **options
                 ) as pg:
-                    pg.execute(f"LISTEN {NOTIFY_CHANNEL}")
-                    with self._lock:
-                        self._generation += 1
-                        self._listening.set()
-                    # Whoever registered before the LISTEN may have missed their NOTIFY.
-                    self._wake_all()
-                    while not self._stop.is_set():
-                        notes = pg.notifies(timeout=_POLL_FALLBACK, stop_after=1)
-                        for key in dict.fromkeys(note.payload for note in notes):
-                            self._notified(key, pg)
+                    try:
+                        self._listen(pg)
+                    finally:
+                        with self._lock:
+                            self._pg = None
             except psycopg.Error:
                 # Waiters poll meanwhile (and look once now); try again shortly.
                 self._listening.clear()
                 self._wake_all()
                 self._stop.wait(_RECONNECT_DELAY)
         self._listening.clear()
+
+    def _listen(self, pg: Any) -> None:
+        with self._lock:
+            self._pg = pg
+        with self._busy():
+            pg.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        with self._lock:
+            self._generation += 1
+            self._listening.set()
+        # Whoever registered before the LISTEN may have missed their NOTIFY.
+        self._wake_all()
+        heard = time.monotonic()
+        while not self._stop.is_set():
+            notes = pg.notifies(timeout=_POLL_FALLBACK, stop_after=1)
+            for key in dict.fromkeys(note.payload for note in notes):
+                heard = time.monotonic()
+                self._notified(key, pg)
+            if time.monotonic() - heard >= _HEARTBEAT:
+                # A silent peer may be a dead one: an overdue answer makes it untrusted.
+                with self._busy():
+                    pg.execute("SELECT 1")
+                heard = time.monotonic()
 
     def _wake_all(self) -> None:
         with self._lock:
@@ -304,9 +406,15 @@ def wait_until_settled(
     listener's :meth:`~Listener.mark` taken before ``record`` was read.
     """
     deadline = time.monotonic() + wait.total_seconds()
-    read = reread or (lambda r: store.get(r.tenant_id, r.id))
+
+    def plain(r: OperationRecord) -> OperationRecord:
+        return store.get(r.tenant_id, r.id)
+
+    read = reread or plain
     listener = store.listener()
-    if listener is None:  # SQLite: poll with backoff
+    if listener is None:  # SQLite, or a transaction pooler: poll with backoff
+        if store.is_postgres:
+            return _poll(read, record, deadline, nap=pause, first=0.05, cap=lambda: _POLL_FALLBACK)
         return _poll(read, record, deadline, nap=pause, first=0.02, cap=lambda: 0.25)
     key = f"{record.tenant_id}:{record.id}"
     # Only a read that counts replays is shared: the listener's counts them.
@@ -316,14 +424,21 @@ def wait_until_settled(
         return _POLL_CAP if listener.listening else _POLL_FALLBACK
 
     def look(current: OperationRecord) -> OperationRecord:
+        reader = read
         if listener.begin_look(woken):
-            fresh = woken.delivery()
+            came, fresh = listener.take_delivery(woken)
             listener.end_look(woken)
             if fresh is not None:
                 return fresh
-            listener.begin_look(woken)  # its read failed: read for ourselves
+            listener.begin_look(woken)  # its read failed or is late: read for ourselves
+            if not came:
+                # A late read may still commit, counting this waiter's replay: read without
+                # counting (should it never commit, the count is one short: in doubt).
+                reader = plain
+        else:
+            listener.cut_if_stuck()  # reading for itself: a stuck listener may be why
         try:
-            return read(current)
+            return reader(current)
         finally:
             listener.end_look(woken)
 

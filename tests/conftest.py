@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 import sqlalchemy as sa
+from hypothesis import HealthCheck, settings
 from pgcluster import Cluster, ClusterUnavailable
 
 from payorch import migrate
@@ -29,6 +30,16 @@ from payorch.operations import default_registry
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.store import Store
 from payorch.tables import events, operations, webhook_inbox
+
+# Hypothesis draws the same examples on every run, everywhere (not only in CI): seeded from
+# each test (derandomize), no example database carried from run to run, no per-example
+# deadline and no too-slow health check, so neither luck nor a loaded machine decides a
+# result, and a failure seen in CI replays as it is on a laptop. To hunt for new examples,
+# draw at random: `pytest --hypothesis-profile=explore` (timing still never fails a test).
+_NO_TIMING = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("deterministic", derandomize=True, database=None, **_NO_TIMING)
+settings.register_profile("explore", **_NO_TIMING)
+settings.load_profile("deterministic")
 
 _PG_PROBLEM: list[str] = []
 REQUIRE_PG = os.environ.get("PAYORCH_REQUIRE_POSTGRES") == "1"
@@ -143,6 +154,14 @@ def sandbox() -> Iterator[SandboxServer]:
     # drop_hold: a dropped response holds the socket a little longer than the client waits.
     with SandboxServer(drop_hold_seconds=2.0) as sb:
         yield sb
+
+
+def effects_of(
+    sandbox: SandboxServer, store: Store, tenant_id: str, operation_id: str
+) -> list[dict[str, Any]]:
+    """The sandbox effects one stored operation made: those under its downstream key (what
+    payorch sent, from the namespace; the operation id never crosses to the provider)."""
+    return sandbox.effects_for(store.get(tenant_id, operation_id).downstream_key)
 
 
 @pytest.fixture

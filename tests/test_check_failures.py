@@ -11,12 +11,11 @@ from collections import Counter
 from datetime import datetime, timedelta
 from typing import Any
 
-from conftest import FAST_TIMEOUT, RecordingSleep, age, make_due
+from conftest import FAST_TIMEOUT, RecordingSleep, age, effects_of, make_due
 
 from payorch.core import State
 from payorch.executor import Executor
 from payorch.operations import default_registry
-from payorch.outcome import Decision
 from payorch.provider import Answer, StatusQuery, SubmitRequest
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.reconciler import Reconciler, ReconcilerPolicy
@@ -103,18 +102,13 @@ def test_a_failing_check_past_max_unknown_age_is_flagged_at_once(
 
 
 class AbandonBreaks(Reconciler):
-    """A reconciler whose write of the abandonment fails (e.g. a bug, a bad row)."""
+    """A reconciler whose write of the abandonment (the release) fails (e.g. a bug, a bad
+    row); its other writes work."""
 
-    def _finish(
-        self,
-        record: OperationRecord,
-        decision: Decision,
-        *,
-        kind: str,
-        detail: Any,
-        attention: bool = False,
-    ) -> None:
-        raise RuntimeError("cannot write the abandonment")
+    def _write(self, record: OperationRecord, state: State, **values: Any) -> OperationRecord:
+        if values["kind"] == "abandoned":
+            raise RuntimeError("cannot write the abandonment")
+        return super()._write(record, state, **values)
 
 
 def test_never_sent_in_progress_whose_check_raises_stays_in_progress_and_counts(
@@ -136,11 +130,17 @@ def test_never_sent_in_progress_whose_check_raises_stays_in_progress_and_counts(
     assert rec.reconcile_once().outcomes == Counter({"check_error": 1})
     flagged = store.get("shop", op_id)
     assert flagged.checks == 2 and flagged.needs_attention
-    # Once the write works again, the next pass abandons it as usual.
+    # Once the write works again, the next pass abandons it as usual: released (nothing
+    # was sent, so no outcome is stored), and not due again.
     make_due(store, op_id)
     fixed = reconciler(store, sandbox_provider)
     assert fixed.reconcile_once().outcomes == Counter({"abandoned": 1})
-    assert store.get("shop", op_id).state is State.FAILED_FINAL
+    released = store.get("shop", op_id)
+    assert released.released and released.state is State.IN_PROGRESS
+    assert released.lease_owner is None and not released.possibly_sent
+    assert released.response is None and released.next_check_at is None
+    assert [e.kind for e in store.events("shop", op_id)][-1] == "abandoned"
+    assert fixed.reconcile_once().picked == 0
     assert sandbox.ledger() == []
 
 
@@ -176,7 +176,7 @@ def test_unexpected_adapter_exception_is_possibly_sent_and_flagged(
     assert last.kind == "provider_answer" and last.detail is not None
     assert last.detail["kind"] == "ambiguous" and last.detail["code"] == "adapter_error"
     assert "KeyError" in last.detail["message"]
-    assert len(sandbox.effects_for(outcome.operation_id)) == 1
+    assert len(effects_of(sandbox, store, "shop", outcome.operation_id)) == 1
     # The reconciler then finds the truth from evidence.
     make_due(store, outcome.operation_id)
     with SandboxProvider(base_url=sandbox.url, timeout=FAST_TIMEOUT) as good:
@@ -189,11 +189,15 @@ def test_an_unencodable_request_in_the_adapter_is_not_sent_and_flagged(
     error = UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
     with SubmitRaises(error, send_first=False, base_url=sandbox.url, timeout=FAST_TIMEOUT) as a:
         outcome = run(executor_with(store, a))
-    # Could not be turned into bytes: nothing reached the provider, and it is not retried.
-    assert outcome.state is State.FAILED_FINAL and outcome.needs_attention
+    # Could not be turned into bytes: nothing reached the provider, and never will for this
+    # request. A final answer that asks for another request (422), flagged for a human; not
+    # a 503 that would send the client back with the same key for ever.
+    assert outcome.state is State.FAILED_FINAL and outcome.http_status == 422
+    assert outcome.error_code == "request_unencodable" and outcome.needs_attention
     record = store.get("shop", outcome.operation_id)
     assert not record.possibly_sent
     last = store.events("shop", outcome.operation_id)[-1]
+    assert last.kind == "provider_answer"
     assert last.detail is not None and last.detail["code"] == "request_unencodable"
     assert [e.kind for e in store.events("shop", outcome.operation_id)].count("attempt") == 0
     assert sandbox.ledger() == []

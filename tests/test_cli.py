@@ -15,12 +15,14 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from conftest import effects_of
 from typer.testing import CliRunner, Result
 
 from payorch.cli import render
 from payorch.cli.app import app
 from payorch.cli.runtime import parse_duration
 from payorch.core import State
+from payorch.executor import Executor
 from payorch.operations import default_registry
 from payorch.provider import AnswerKind, SubmitRequest
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
@@ -363,6 +365,8 @@ def test_recheck_resolves_a_sandbox_backed_unknown(
             operation_id=record.id,
             downstream_key=record.downstream_key,
             payload=prepared.payload,
+            idempotency_key=record.idempotency_key,
+            fingerprint=record.fingerprint,
         )
     )
     assert answer.kind is AnswerKind.SUCCEEDED
@@ -378,12 +382,12 @@ def test_recheck_resolves_a_sandbox_backed_unknown(
     assert after.provider_reference == answer.provider_reference
     assert [e["kind"] for e in report["events"]] == ["operator_recheck", "status_query"]
     assert report["events"][1]["actor"] == "operator:alice"
-    assert len(sandbox.effects_for(record.id)) == 1
+    assert len(effects_of(sandbox, store, record.tenant_id, record.id)) == 1
 
     again = run(db_url, "ops", "recheck", unknown.id, env=env)
     assert again.exit_code == 1
     assert "terminal" in one_error_line(again)
-    assert len(sandbox.effects_for(record.id)) == 1
+    assert len(effects_of(sandbox, store, record.tenant_id, record.id)) == 1
 
 
 def test_recheck_refuses_a_live_lease(db_url: str, store: Store, world: World) -> None:
@@ -458,7 +462,10 @@ def test_reconcile_once_settles_what_is_due(db_url: str, store: Store, world: Wo
     result = run(db_url, "reconcile once --json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == {"picked": 1, "outcomes": {"abandoned": 1}, "released": 0}
-    assert store.get(world.abandoned.tenant_id, world.abandoned.id).state is State.FAILED_FINAL
+    # Nothing was sent: released (no outcome stored), the key's next request runs it again.
+    abandoned = store.get(world.abandoned.tenant_id, world.abandoned.id)
+    assert abandoned.released and abandoned.state is State.IN_PROGRESS
+    assert abandoned.lease_owner is None and abandoned.response is None
     assert "nothing due" in run(db_url, "reconcile once").stdout
 
 
@@ -527,3 +534,99 @@ def test_list_finds_an_operation_by_provider_reference_or_key(db_url: str, world
     assert listed(db_url, "--reference", "pi_nobody") == []
     bad = run(db_url, "ops", "list", "--tenant", "bad tenant")
     assert bad.exit_code == 1 and "tenant id" in bad.stderr
+
+
+# -- effects unexplained -----------------------------------------------------------------
+
+
+def _lost_charge(store: Store, sandbox_provider: SandboxProvider, key: str) -> OperationRecord:
+    """A payment made at the sandbox whose claim a failover then lost (its rows deleted)."""
+    executor = Executor(
+        store=store, providers=[sandbox_provider], registry=REGISTRY, lease=timedelta(seconds=30)
+    )
+    outcome = executor.execute(
+        tenant_id="shop-a",
+        operation="payment.create",
+        idempotency_key=key,
+        request={"amount": 2500, "currency": "EUR", "customer": "cus_3"},
+    )
+    record = store.get("shop-a", outcome.operation_id)
+    with store.engine.begin() as conn:
+        conn.execute(sa.delete(events).where(events.c.operation_id == record.id))
+        conn.execute(sa.delete(operations).where(operations.c.id == record.id))
+    return record
+
+
+def test_effects_unexplained_lists_then_adopts_at_the_sandbox(
+    db_url: str, store: Store, sandbox: SandboxServer, sandbox_provider: SandboxProvider
+) -> None:
+    lost = _lost_charge(store, sandbox_provider, "k-lost-claim")
+    env = {"PAYORCH_SANDBOX_URL": sandbox.url}
+    args = ["effects", "unexplained", "--provider", "sandbox", "--since", "1h"]
+
+    listing = run(db_url, *args, "--json", env=env)
+    assert listing.exit_code == 0, listing.output
+    report = json.loads(listing.stdout)
+    assert report["counts"]["unexplained"] == 1 and report["counts"]["adopted"] == 0
+    (finding,) = report["findings"]
+    assert finding["adoptable"] and finding["effect"]["tags"]["payorch_idempotency_key"] == (
+        "k-lost-claim"
+    )
+    assert snapshot(store) == ([], 0)  # listing writes nothing
+
+    adopted = run(
+        db_url, *args, "--adopt", "--actor", "alice", "--reason", "failover", "--yes", env=env
+    )
+    assert adopted.exit_code == 0, adopted.output
+    assert "1 adopted" in adopted.stdout
+    record = store.get_by_namespace("shop-a", "payment.create", "k-lost-claim")
+    assert record.state is State.SUCCEEDED and record.needs_attention
+    assert record.downstream_key == lost.downstream_key
+    (event,) = store.events("shop-a", record.id)
+    assert (event.kind, event.actor) == ("adopted", "alice")
+    assert f"adopted as {record.id}" in adopted.stdout
+
+    again = run(db_url, *args, env=env)
+    assert again.exit_code == 0
+    assert "1 explained, 0 unexplained" in again.stdout
+    assert len(sandbox.effects_for(lost.downstream_key)) == 1
+
+
+def test_effects_unexplained_adopt_asks_first_and_needs_an_audit_trail(
+    db_url: str, store: Store, sandbox: SandboxServer, sandbox_provider: SandboxProvider
+) -> None:
+    _lost_charge(store, sandbox_provider, "k-ask")
+    env = {"PAYORCH_SANDBOX_URL": sandbox.url}
+    args = ["effects", "unexplained", "--provider", "sandbox", "--since", "1h", "--adopt"]
+
+    no_actor = run(db_url, *args, "--reason", "r", env=env)
+    assert no_actor.exit_code == 2
+    assert "--adopt needs --actor and --reason" in one_error_line(no_actor)
+    declined = run(db_url, *args, "--actor", "a", "--reason", "r", input="n\n", env=env)
+    assert declined.exit_code == 1
+    assert "nothing adopted" in declined.stderr
+    assert snapshot(store) == ([], 0)
+    bad_since = run(db_url, "effects", "unexplained", "--provider", "sandbox", "--since", "soon")
+    assert bad_since.exit_code == 2 and "neither an ISO 8601 time" in one_error_line(bad_since)
+
+
+def test_effects_unexplained_on_a_provider_that_cannot_list_is_one_line(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class SubmitsOnly:  # an adapter of the embedding app's, without list_effects
+        name = "acquirer"
+
+    monkeypatch.setattr("payorch.cli.effects.build_providers", lambda _config: [SubmitsOnly()])
+    result = run(db_url, "effects unexplained --provider acquirer --since 2024-05-01T00:00Z")
+    assert result.exit_code == 1
+    assert "'acquirer' cannot list its effects" in one_error_line(result)
+    unknown = run(db_url, "effects unexplained --provider nope --since 24h")
+    assert unknown.exit_code == 1
+    assert "no provider named 'nope'" in one_error_line(unknown)
+
+
+def test_effects_unexplained_when_the_provider_is_down_is_one_line(db_url: str) -> None:
+    env = {"PAYORCH_SANDBOX_URL": "http://127.0.0.1:9"}
+    result = run(db_url, "effects unexplained --provider sandbox --since 1h", env=env)
+    assert result.exit_code == 1
+    assert "listing effects failed (ConnectError" in one_error_line(result)

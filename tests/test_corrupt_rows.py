@@ -139,7 +139,7 @@ def test_a_corrupt_due_row_is_quarantined_and_the_batch_proceeds(
 
     for op in ops:
         if op is not bad:
-            assert store.get("shop", op.id).state is State.FAILED_FINAL  # settled: abandoned
+            assert store.get("shop", op.id).released  # settled: abandoned, released
     assert raw(store, bad.id) == (True, None, True)  # flagged, released, set aside
     assert kinds(store, bad.id) == ["claimed", QUARANTINE_EVENT]
     with store.engine.connect() as conn:
@@ -168,7 +168,7 @@ def test_a_pass_of_corrupt_rows_leaves_none_leased_and_the_next_pass_continues(
     corrupt(store, first.id, "response", "[1]")  # claimed first, so due first
     rec = reconciler(store, batch=1)
     passes = [rec.reconcile_once() for _ in range(3)]
-    assert store.get("shop", healthy.id).state is State.FAILED_FINAL
+    assert store.get("shop", healthy.id).released
     assert sum(p.outcomes["abandoned"] for p in passes) == 1
     assert kinds(store, first.id).count(QUARANTINE_EVENT) == 1
 
@@ -343,7 +343,7 @@ def test_bytes_that_are_not_utf8_are_quarantined_not_a_stalled_pass(store: Store
     assert report.outcomes["quarantined"] == 1
     for op in ops:
         if op is not bad:
-            assert store.get("shop", op.id).state is State.FAILED_FINAL
+            assert store.get("shop", op.id).released
     assert raw(store, bad.id)[0] is True
     assert kinds(store, bad.id) == ["claimed", QUARANTINE_EVENT]
 

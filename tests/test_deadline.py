@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import httpx
 import pytest
-from conftest import FAST_TIMEOUT, RecordingSleep, make_due
+from conftest import FAST_TIMEOUT, RecordingSleep, effects_of, make_due
 
 from payorch.core import State
 from payorch.errors import ConfigurationError
@@ -36,10 +36,12 @@ from payorch.reconciler import Reconciler, ReconcilerPolicy
 from payorch.store import Store
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
-SHORT = timedelta(seconds=0.3)  # the call deadline under test
-# Every trickled byte arrives well within FAST_TIMEOUT's 0.5 s read time-out; a whole effect
-# (a few hundred bytes) takes many seconds, far past SHORT.
+SHORT = timedelta(seconds=1)  # the call deadline under test
 GAP = 0.05
+# Every trickled byte arrives well within this read time-out (forty gaps, so a stalled
+# thread cannot make it fire instead of the deadline); a whole effect (a few hundred bytes)
+# takes many seconds, far past SHORT; an answer sent at once takes milliseconds.
+TRICKLE_TIMEOUT = httpx.Timeout(connect=1.0, read=2.0, write=1.0, pool=1.0)
 
 
 # -- against the sandbox: the executor and the reconciler --------------------------------
@@ -53,7 +55,7 @@ def trickling() -> Iterator[SandboxServer]:
 
 @pytest.fixture
 def short_provider(trickling: SandboxServer) -> Iterator[SandboxProvider]:
-    with SandboxProvider(base_url=trickling.url, timeout=FAST_TIMEOUT, deadline=SHORT) as p:
+    with SandboxProvider(base_url=trickling.url, timeout=TRICKLE_TIMEOUT, deadline=SHORT) as p:
         yield p
 
 
@@ -64,7 +66,7 @@ def test_a_trickled_answer_ends_at_the_deadline_unknown_then_settles_once(
         store=store,
         providers=[short_provider],
         registry=default_registry("sandbox"),
-        lease=timedelta(seconds=5),
+        lease=timedelta(seconds=10),
         sleep=RecordingSleep(),
         owner="test-executor",
     )
@@ -79,20 +81,20 @@ def test_a_trickled_answer_ends_at_the_deadline_unknown_then_settles_once(
     assert last.detail is not None
     assert last.detail["code"] == "deadline_exceeded" and last.detail["possibly_sent"] is True
     assert last.detail["attempt"] == 1
-    assert len(trickling.effects_for(outcome.operation_id)) == 1
+    assert len(effects_of(trickling, store, "shop", outcome.operation_id)) == 1
 
     make_due(store, outcome.operation_id)
     reconciler = Reconciler(
         store=store,
         providers=[short_provider],
-        policy=ReconcilerPolicy(lease=timedelta(seconds=5)),
+        policy=ReconcilerPolicy(lease=timedelta(seconds=10)),
         owner="test-reconciler",
     )
     report = reconciler.reconcile_once()
     assert report.outcomes == Counter({"succeeded": 1})
     record = store.get("shop", outcome.operation_id)
     assert record.state is State.SUCCEEDED and record.resolution == "status_query"
-    effects = trickling.effects_for(outcome.operation_id)
+    effects = effects_of(trickling, store, "shop", outcome.operation_id)
     assert len(effects) == 1 and record.provider_reference == effects[0]["id"]
 
 
@@ -240,7 +242,8 @@ def test_a_trickled_response_raises_the_deadline_as_possibly_sent(
 
     server = SlowServer(respond)
     try:
-        error = _deadline_error(server, httpx.Timeout(1.0))
+        # A read time-out a hundred gaps long: a stalled thread cannot make it fire first.
+        error = _deadline_error(server, httpx.Timeout(5.0))
     finally:
         stop.set()
         server.close()
@@ -364,12 +367,12 @@ def test_an_idle_worker_takes_the_next_call() -> None:
     ran: list[threading.Thread] = []
     first, second = threading.Event(), threading.Event()
     workers.run(_job(ran, first))
-    assert first.wait(5)
-    assert idle.parked.acquire(timeout=5)  # the worker is idle now
+    assert first.wait(30)
+    assert idle.parked.acquire(timeout=30)  # the worker is idle now
     workers.run(_job(ran, second))
-    assert second.wait(5)
+    assert second.wait(30)
     assert ran[0] is ran[1]  # the same thread ran both: no thread started for the second
-    assert idle.parked.acquire(timeout=5)
+    assert idle.parked.acquire(timeout=30)
     assert list(idle) != []  # parked again, ready for a third
 
 
@@ -380,7 +383,7 @@ def test_workers_beyond_keep_or_idle_too_long_end() -> None:
         ran: list[threading.Thread] = []
         finished = threading.Event()
         workers.run(_job(ran, finished))
-        assert finished.wait(5)
-        ran[0].join(5)  # keep=0: at once; idle_for: once its idle wait times out
+        assert finished.wait(30)
+        ran[0].join(30)  # keep=0: at once; idle_for: once its idle wait times out
         assert not ran[0].is_alive()
         assert workers._idle == []

@@ -54,7 +54,18 @@ class Stack:
 
     def effects(self, tenant: str) -> list[dict[str, Any]]:
         ledger = self.sandbox.ledger()
-        return [e for e in ledger if e["metadata"].get("tenant_id") == tenant]
+        return [e for e in ledger if e["metadata"].get("payorch_tenant_id") == tenant]
+
+    def downstream_key(self, tenant: str, op_id: str) -> str:
+        """The key payorch sent the provider for the operation (stored on its row)."""
+        query = sa.select(operations.c.downstream_key).where(
+            operations.c.tenant_id == tenant, operations.c.id == op_id
+        )
+        with self.engine.connect() as conn:
+            return str(conn.execute(query).scalar_one())
+
+    def effects_of(self, tenant: str, op_id: str) -> list[dict[str, Any]]:
+        return self.sandbox.effects_for(self.downstream_key(tenant, op_id))
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +146,7 @@ def test_fresh_then_replay_is_one_effect(
     replay = post(client, view[0], tenant, "order-1")
     assert replay.status_code == 201 and replay.content == first.content
     assert replay.headers["Idempotent-Replayed"] == "true"
-    assert len(stack.sandbox.effects_for(op_id)) == 1 and stack.rows(tenant) == 1
+    assert len(stack.effects_of(tenant, op_id)) == 1 and stack.rows(tenant) == 1
     # The Location names the operation, readable by its tenant only.
     assert first.headers["Location"] == f"/payorch/operations/{op_id}"
     for where in (first.headers["Location"], f"/async/operations/{op_id}"):
@@ -246,9 +257,10 @@ def test_a_dropped_answer_is_202_until_a_signed_webhook_settles_it(
     assert unknown.headers["Location"].endswith(f"/operations/{op_id}")
     again = post(client, view[0], tenant, "order-3")
     assert again.status_code == 202 and again.json()["operation_id"] == op_id
-    assert len(stack.sandbox.effects_for(op_id)) == 1  # committed there, answer dropped
+    assert len(stack.effects_of(tenant, op_id)) == 1  # committed there, answer dropped
 
-    (delivery,) = [d for d in stack.sandbox.webhook_deliveries() if op_id.encode() in d.body]
+    key = stack.downstream_key(tenant, op_id).encode()  # what the effect carries
+    (delivery,) = [d for d in stack.sandbox.webhook_deliveries() if key in d.body]
     hook = f"{view[1]}/{tenant}/sandbox"
     forged = {
         **delivery.headers,
@@ -271,7 +283,7 @@ def test_a_dropped_answer_is_202_until_a_signed_webhook_settles_it(
     assert settled.status_code == 201 and settled.json()["state"] == "succeeded"
     assert settled.json()["operation_id"] == op_id
     assert settled.headers["Idempotent-Replayed"] == "true"
-    assert len(stack.sandbox.effects_for(op_id)) == 1 and stack.rows(tenant) == 1
+    assert len(stack.effects_of(tenant, op_id)) == 1 and stack.rows(tenant) == 1
 
 
 def test_runserver_serves_sync_views_and_refuses_async_ones(

@@ -4,6 +4,11 @@ Whatever the caller sends (any unicode including lone surrogates, huge integers,
 infinities, nested objects, unknown keys, wrong types for known fields), every call ends
 in an ``Outcome`` or a typed ``PayorchError``, a refusal writes nothing, and no operation
 is left ``in_progress`` (the state that the reconciler would re-submit every lease cycle).
+
+The property means something only if it is checked on requests that reach the provider and
+on requests that are refused. That is not left to what the strategy happens to draw: fixed
+lists of both kinds are explicit examples of the property, and a test of their own pins
+that the first reach the provider and the second are refused.
 """
 
 from __future__ import annotations
@@ -12,13 +17,15 @@ import itertools
 import math
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from payorch.errors import InvalidRequest, PayorchError
 from payorch.executor import Executor
 from payorch.outcome import Outcome
+from payorch.providers.sandbox import SandboxServer
 from payorch.store import Store
 from payorch.tables import operations
 
@@ -89,6 +96,57 @@ def requests(draw: st.DrawFn) -> tuple[str, Any]:
     return operation, request
 
 
+# Requests that pass every check and reach the provider: each ends in an Outcome (a decline
+# included) and adds one entry to the sandbox's ledger.
+REACHES_THE_PROVIDER: list[tuple[str, Any]] = [
+    ("payment.create", {"amount": 1250, "currency": "EUR", "customer": "cus_1"}),
+    (
+        "payment.create",
+        {"amount": 1, "currency": "JPY", "customer": "cus_1", "payment_method": "pm_card_declined"},
+    ),
+    (
+        "payment.create",
+        {
+            "amount": 10**6,
+            "currency": "USD",
+            "customer": "cus_1",
+            "payment_method": "pm_card_visa",
+            "capture_method": "manual",
+            "description": "😀 é \u2028",
+            "metadata": {"é": "😀"},
+        },
+    ),
+    ("payment.create", {"amount": 7, "currency": "eur", "customer": "😀"}),
+    ("payment.capture", {"payment_intent": "pi_missing", "amount_to_capture": 0}),
+    ("refund.create", {"payment_intent": "pi_missing", "amount": 1, "currency": "USD"}),
+    ("payout.create", {"amount": 500, "currency": "GBP", "destination": "ba_1"}),
+    (
+        "payout.create",
+        {"amount": 10**6, "currency": "EUR", "destination": "ba_1", "description": ""},
+    ),
+]
+# Requests refused before anything is stored or sent: an InvalidRequest (4xx).
+PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_1"}
+REFUSED: list[tuple[str, Any]] = [
+    ("payment.create", [1, 2]),  # not an object
+    ("payment.create", None),
+    ("payment.create", "\ud800"),
+    ("payment.create", {**PAYMENT, "amount": math.nan}),
+    ("payment.create", {**PAYMENT, "amount": -math.inf}),
+    ("payment.create", {**PAYMENT, "amount": 2**70}),
+    ("payment.create", {**PAYMENT, "amount": "1250"}),
+    ("payment.create", {**PAYMENT, "amount": True}),
+    ("payment.create", {**PAYMENT, "customer": "\ud800"}),  # a lone surrogate
+    ("payment.create", {**PAYMENT, "description": "a\udfff"}),
+    ("payment.create", {**PAYMENT, "\udc00": 1}),  # an unknown key that is not even UTF-8
+    ("payment.create", {**PAYMENT, "metadata": [1]}),
+    ("payment.create", {**PAYMENT, "unknown": 1}),
+    ("payment.capture", {"payment_intent": {"id": "pi_1"}}),
+    ("refund.create", {"payment_intent": "pi_missing", "amount": 2**53 + 1, "currency": "USD"}),
+    ("payout.create", {"amount": 500, "currency": "EUR", "destination": None}),
+]
+
+
 def _count(store: Store, *where: Any) -> int:
     with store.engine.connect() as conn:
         query = sa.select(sa.func.count()).select_from(operations).where(*where)
@@ -97,11 +155,10 @@ def _count(store: Store, *where: Any) -> int:
 
 def test_execute_ends_in_an_outcome_or_a_typed_error(executor: Executor, store: Store) -> None:
     keys = itertools.count()
-    seen: dict[str, int] = {"outcome": 0, "refused": 0, "other error": 0}
 
     @settings(
         max_examples=100,
-        deadline=None,
+        deadline=None,  # each example is a round trip to the database and the sandbox
         database=None,  # the store and the sandbox live for this test only
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )
@@ -119,21 +176,46 @@ def test_execute_ends_in_an_outcome_or_a_typed_error(executor: Executor, store: 
         except PayorchError as exc:
             str(exc).encode("utf-8")  # the error can be reported as it stands
             if isinstance(exc, InvalidRequest):
-                seen["refused"] += 1
                 assert 400 <= exc.http_status < 500
                 if not existed:  # a refusal reserves nothing
                     assert _count(store, operations.c.idempotency_key == key) == 0
-            else:
-                seen["other error"] += 1
         else:
             assert isinstance(result, Outcome)
-            seen["outcome"] += 1
         # Per example (so a failure shrinks to its own request), then for the whole run.
         assert _count(store, operations.c.idempotency_key == key, in_progress) == 0
 
+    # Whatever is drawn, the property is checked on both kinds: these run first, each once.
+    for case in REACHES_THE_PROVIDER + REFUSED:
+        run = example(drawn=case, reuse=1)(run)
     in_progress = operations.c.state == "in_progress"
     run()
     assert _count(store, in_progress) == 0
-    # The strategy must reach the provider often enough for the property to mean something.
-    assert seen["outcome"] >= 10, seen
-    assert seen["refused"] >= 10, seen
+
+
+def test_the_fixed_requests_reach_the_provider(
+    executor: Executor, store: Store, sandbox: SandboxServer
+) -> None:
+    for n, (operation, request) in enumerate(REACHES_THE_PROVIDER):
+        outcome = executor.execute(
+            tenant_id=TENANT, operation=operation, idempotency_key=f"fixed-{n}", request=request
+        )
+        assert isinstance(outcome, Outcome)
+        assert len(sandbox.ledger()) == n + 1, (operation, request)  # it reached the provider
+    assert _count(store, operations.c.state == "in_progress") == 0
+
+
+def test_the_fixed_bad_requests_are_refused_and_reserve_nothing(
+    executor: Executor, store: Store, sandbox: SandboxServer
+) -> None:
+    for n, (operation, request) in enumerate(REFUSED):
+        try:
+            executor.execute(
+                tenant_id=TENANT, operation=operation, idempotency_key=f"fixed-{n}", request=request
+            )
+        except InvalidRequest as refused:
+            assert 400 <= refused.http_status < 500
+            str(refused).encode("utf-8")  # reportable as it stands
+        else:
+            pytest.fail(f"not refused: {operation} {request!r}")
+    assert _count(store) == 0
+    assert sandbox.ledger() == []

@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 import workers
-from conftest import FAST_TIMEOUT, RecordingSleep
+from conftest import FAST_TIMEOUT, RecordingSleep, effects_of
 
 from payorch.core import State
 from payorch.errors import (
     ConfigurationError,
     IdempotencyKeyReused,
+    ProviderUnavailable,
     RequestValidationFailed,
     UnknownProvider,
 )
@@ -32,8 +33,8 @@ PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 MONEY = ("succeeded", "processing")
 
 
-def money_effects(sandbox: SandboxServer, operation_id: str) -> list[dict[str, Any]]:
-    return [e for e in sandbox.effects_for(operation_id) if e["status"] in MONEY]
+def money_effects(sandbox: SandboxServer, store: Store, operation_id: str) -> list[dict[str, Any]]:
+    return [e for e in effects_of(sandbox, store, "shop", operation_id) if e["status"] in MONEY]
 
 
 def run(executor: Executor, key: str = "order-1", **request: Any) -> Any:
@@ -55,7 +56,7 @@ def test_success_is_stored_and_replayed_with_one_effect(
     again = run(executor)
     assert again.replayed and again.operation_id == first.operation_id
     assert again.provider_reference == first.provider_reference
-    assert len(money_effects(sandbox, first.operation_id)) == 1
+    assert len(money_effects(sandbox, store, first.operation_id)) == 1
     assert len(sandbox.ledger()) == 1
     # The replay is counted on the operation, not logged: the log holds state changes.
     kinds = [e.kind for e in store.events("shop", first.operation_id)]
@@ -97,10 +98,10 @@ def test_each_fault_caller_store_and_ledger_agree(
     stored = store.get("shop", outcome.operation_id)
     assert outcome.state is state is stored.state
     assert outcome.http_status == http_status
-    assert len(money_effects(sandbox, outcome.operation_id)) == effects
+    assert len(money_effects(sandbox, store, outcome.operation_id)) == effects
     # The same key again never adds an effect, whatever the first attempt went through.
     run(executor)
-    assert len(money_effects(sandbox, outcome.operation_id)) == effects
+    assert len(money_effects(sandbox, store, outcome.operation_id)) == effects
     assert stored.possibly_sent is True
 
 
@@ -114,14 +115,14 @@ def test_dropped_response_is_unknown_and_a_client_retry_never_charges_twice(
         retry = run(executor)
         assert retry.operation_id == first.operation_id
         assert retry.state is State.OUTCOME_UNKNOWN and not retry.replayed
-    assert len(money_effects(sandbox, first.operation_id)) == 1
+    assert len(money_effects(sandbox, store, first.operation_id)) == 1
     assert len(sandbox.ledger()) == 1
     evidence = store.events("shop", first.operation_id)[-1].detail
     assert evidence is not None and evidence["kind"] == "ambiguous"
 
 
 def test_decline_is_stored_and_replayed_as_the_same_failure(
-    executor: Executor, sandbox: SandboxServer
+    executor: Executor, sandbox: SandboxServer, store: Store
 ) -> None:
     first = run(executor, payment_method="pm_card_declined")
     again = run(executor, payment_method="pm_card_declined")
@@ -132,8 +133,8 @@ def test_decline_is_stored_and_replayed_as_the_same_failure(
         first.response,
     )
     assert first.error_code == "generic_decline"
-    assert len(sandbox.effects_for(first.operation_id)) == 1
-    assert money_effects(sandbox, first.operation_id) == []
+    assert len(effects_of(sandbox, store, "shop", first.operation_id)) == 1
+    assert money_effects(sandbox, store, first.operation_id) == []
 
 
 def test_rate_limit_is_retried_with_the_same_key_then_succeeds(
@@ -150,18 +151,30 @@ def test_rate_limit_is_retried_with_the_same_key_then_succeeds(
     sleep = executor._sleep
     assert isinstance(sleep, RecordingSleep)
     assert len(sleep.delays) == 2 and all(d >= 1.0 for d in sleep.delays)  # Retry-After: 1
-    assert len(money_effects(sandbox, outcome.operation_id)) == 1
+    assert len(money_effects(sandbox, store, outcome.operation_id)) == 1
 
 
-def test_not_sent_on_every_attempt_is_a_final_failure_with_no_effect(
+def test_not_sent_on_every_attempt_is_released_with_no_effect_and_the_same_key_runs_again(
     executor: Executor, sandbox: SandboxServer, store: Store
 ) -> None:
-    sandbox.inject("rate_limit", times=10)
-    outcome = run(executor)
-    assert outcome.state is State.FAILED_FINAL
-    assert outcome.error_code == "provider_unavailable" and outcome.http_status == 503
-    assert store.get("shop", outcome.operation_id).possibly_sent is False
+    sandbox.inject("rate_limit", times=RetryPolicy().max_attempts)  # every inline attempt
+    with pytest.raises(ProviderUnavailable) as caught:
+        run(executor)
+    err = caught.value
+    assert err.http_status == 503 and err.code == "rate_limited" and err.operation_id
+    record = store.get("shop", err.operation_id)
+    # Nothing is stored as the key's answer: released, leased by nobody, nothing sent.
+    assert record.released and record.state is State.IN_PROGRESS
+    assert record.lease_owner is None and record.possibly_sent is False
+    assert record.response is not None and record.response["status"] == "not_sent"
+    assert err.retry_after >= 1.0  # the sandbox's Retry-After travels to the caller
     assert sandbox.ledger() == []
+
+    outcome = run(executor)  # the same key runs again, under the same downstream key
+    assert outcome.state is State.SUCCEEDED and not outcome.replayed
+    assert outcome.operation_id == err.operation_id
+    assert len(money_effects(sandbox, store, outcome.operation_id)) == 1
+    assert len(sandbox.ledger()) == 1
 
 
 def test_connect_error_is_not_sent(store: Store) -> None:
@@ -175,8 +188,17 @@ def test_connect_error_is_not_sent(store: Store) -> None:
         sleep=RecordingSleep(),
     )
     with closed:
-        outcome = run(ex)
-    assert outcome.state is State.FAILED_FINAL and outcome.error_code == "provider_unavailable"
+        with pytest.raises(ProviderUnavailable) as caught:
+            run(ex)
+        first = store.get("shop", caught.value.operation_id)
+        assert first.released and first.possibly_sent is False and first.lease_owner is None
+        # Still unreachable: the same key runs the same operation again, and is released again.
+        with pytest.raises(ProviderUnavailable) as again:
+            run(ex)
+    assert again.value.operation_id == first.id
+    second = store.get("shop", first.id)
+    assert second.released and second.attempts > first.attempts
+    assert second.downstream_key == first.downstream_key
 
 
 def test_a_worker_that_lost_its_lease_records_its_answer_as_evidence_only(
@@ -216,7 +238,7 @@ def test_a_worker_that_lost_its_lease_records_its_answer_as_evidence_only(
     events = store.events("shop", outcome.operation_id)
     assert events[-1].kind == "late_answer" and events[-1].actor == "slow-worker"
     assert events[-1].detail is not None and events[-1].detail["kind"] == "succeeded"
-    assert len(money_effects(sandbox, outcome.operation_id)) == 1
+    assert len(money_effects(sandbox, store, outcome.operation_id)) == 1
 
 
 def test_reused_key_with_changed_amount_executes_nothing(
@@ -268,7 +290,7 @@ def test_sigkill_after_commit_leaves_in_progress_and_one_effect(
     record = store.get_by_namespace("shop", "payment.create", "crash-1")
     assert record.state is State.IN_PROGRESS
     assert record.lease_expires_at is not None and record.possibly_sent
-    assert len(money_effects(sandbox, record.id)) == 1
+    assert len(money_effects(sandbox, store, record.id)) == 1
 
 
 def test_an_unparsable_answer_is_unknown_with_bounded_raw_evidence(store: Store) -> None:

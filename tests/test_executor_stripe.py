@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from urllib.parse import parse_qs
 
 import httpx
 import respx
@@ -57,11 +58,17 @@ def test_rate_limited_then_created_with_one_key_for_every_attempt(store: Store) 
             record = store.get("shop", first.operation_id)
             assert keys == {record.downstream_key}
             assert len(route.calls) == 2
-            form = route.calls[0].request.content.decode()
-            assert "metadata%5Bpayorch_operation_id%5D=" + record.id in form
+            forms = [parse_qs(call.request.content.decode()) for call in route.calls]
+            assert forms[0] == forms[1]  # every attempt is the same request
+            ref = record.downstream_key.split(":")[1]
+            assert forms[0]["metadata[payorch_ref]"] == [ref]
+            assert forms[0]["metadata[payorch_tenant_id]"] == ["shop"]
+            assert forms[0]["metadata[payorch_idempotency_key]"] == ["order-9"]
+            assert "metadata[payorch_operation_id]" not in forms[0]  # the id never crosses
+            assert record.id not in route.calls[0].request.content.decode()
 
             route.side_effect = [httpx.Response(200, json=INTENT)]
-            mock.get("/v1/payment_intents/search").mock(
+            search = mock.get("/v1/payment_intents/search").mock(
                 return_value=httpx.Response(
                     200, json={"object": "search_result", "data": [INTENT], "has_more": False}
                 )
@@ -80,3 +87,6 @@ def test_rate_limited_then_created_with_one_key_for_every_attempt(store: Store) 
             assert rec.reconcile_once().outcomes["succeeded"] == 1
             assert store.get("shop", record.id).provider_reference == INTENT["id"]
             assert len(route.calls) == 2  # resolved by a status query, never re-sent
+            assert search.calls.last.request.url.params["query"] == (
+                f"metadata['payorch_ref']:'{ref}'"
+            )

@@ -65,7 +65,19 @@ class Stack:
             return [r.result for r in conn.execute(query)]
 
     def effects(self, tenant: str) -> list[dict[str, Any]]:
-        return [e for e in self.sandbox.ledger() if e["metadata"].get("tenant_id") == tenant]
+        ledger = self.sandbox.ledger()
+        return [e for e in ledger if e["metadata"].get("payorch_tenant_id") == tenant]
+
+    def downstream_key(self, tenant: str, op_id: str) -> str:
+        """The key payorch sent the provider for the operation (stored on its row)."""
+        query = sa.select(operations.c.downstream_key).where(
+            operations.c.tenant_id == tenant, operations.c.id == op_id
+        )
+        with self.engine.connect() as conn:
+            return str(conn.execute(query).scalar_one())
+
+    def effects_of(self, tenant: str, op_id: str) -> list[dict[str, Any]]:
+        return self.sandbox.effects_for(self.downstream_key(tenant, op_id))
 
 
 @pytest.fixture(scope="module")
@@ -132,11 +144,13 @@ def post(
     return client.post("/payments", headers=headers, content=content)
 
 
-def delivery_for(sandbox: SandboxServer, op_id: str) -> tuple[dict[str, str], bytes]:
-    for d in sandbox.webhook_deliveries():
-        if json.loads(d.body)["data"]["metadata"].get("operation_id") == op_id:
+def delivery_for(stack: Stack, tenant: str, op_id: str) -> tuple[dict[str, str], bytes]:
+    """The sandbox's webhook for the operation: its effect carries our downstream key."""
+    key = stack.downstream_key(tenant, op_id)
+    for d in stack.sandbox.webhook_deliveries():
+        if json.loads(d.body)["data"].get("idempotency_key") == key:
             return d.headers, d.body
-    raise AssertionError(f"the sandbox sent no webhook for {op_id}")
+    raise AssertionError(f"the sandbox sent no webhook for {op_id} ({key})")
 
 
 # -- the contract, over a real server ------------------------------------------------------
@@ -214,8 +228,9 @@ def test_dropped_answer_is_202_then_a_signed_webhook_settles_it(
     assert polled.headers["Retry-After"] == "1"
     again = post(client, tenant, "order-3")  # never re-executed while unknown
     assert again.status_code == 202 and len(stack.effects(tenant)) == 1
+    assert len(stack.effects_of(tenant, op_id)) == 1  # committed there, answer dropped
 
-    headers, body = delivery_for(stack.sandbox, op_id)
+    headers, body = delivery_for(stack, tenant, op_id)
     hook = client.post(f"/webhooks/{tenant}/sandbox", headers=headers, content=body)
     assert hook.status_code == 200 and hook.json()["status"] == "applied", hook.text
     replay = post(client, tenant, "order-3")
@@ -270,7 +285,7 @@ def test_a_forged_webhook_is_400_and_writes_nothing(
 ) -> None:
     stack.sandbox.inject("drop_after")
     op_id = post(client, tenant, "order-4").json()["operation_id"]
-    headers, body = delivery_for(stack.sandbox, op_id)
+    headers, body = delivery_for(stack, tenant, op_id)
     before = stack.count(events, tenant)
     forged = {**headers, "webhook-signature": "v1,AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA="}
     tampered = body.replace(b'"succeeded"', b'"declined"')

@@ -362,6 +362,9 @@ def test_a_forked_child_probes_though_its_parents_probe_was_stuck() -> None:
     try:
         assert probe() is None  # the parent's read is stuck: no answer, no second thread
         # The child has no thread behind the parent's read: it must not wait on it forever.
+        # Its own read answers at once, but a loaded machine may take a while to run the
+        # thread it starts: wait long enough for that (a stuck call still answers None).
+        probe.timeout = 30.0
         assert in_child(lambda: {"answer": probe()}) == {"answer": "fresh"}
     finally:
         release.set()

@@ -1,5 +1,6 @@
 """Answers that say what happened: problem types, 4xx for the caller's mistakes, 503s that
-say when and with which key, and a provider's 401/403 as "nothing sent", never a decline."""
+say when and with which key (always the same one), and a provider's 401/403 as "nothing
+sent", never a decline."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from payorch.errors import (
     IdempotencyKeyReused,
     OutcomeNotRecorded,
     PayorchError,
+    ProviderUnavailable,
     RequestValidationFailed,
     StorageError,
     UnknownProvider,
@@ -156,7 +158,7 @@ def test_storage_down_before_the_claim_means_the_same_key(
     assert sandbox.ledger() == []
 
 
-def test_only_a_stored_failure_with_nothing_sent_allows_a_new_key(
+def test_nothing_sent_is_a_503_with_the_same_key_and_no_stored_outcome(
     store: Store, sandbox: SandboxServer
 ) -> None:
     with SandboxProvider(base_url="http://127.0.0.1:9", timeout=httpx.Timeout(1.0)) as nowhere:
@@ -167,12 +169,18 @@ def test_only_a_stored_failure_with_nothing_sent_allows_a_new_key(
             lease=timedelta(seconds=30),
             sleep=RecordingSleep(),
         )
-        outcome = pay(ex, "k")
-    assert outcome.state is State.FAILED_FINAL
-    assert store.get("shop", outcome.operation_id).possibly_sent is False
-    answer = http_answer(outcome)
-    assert (answer.status, answer.body["retry"]) == (503, "new_key")
+        with pytest.raises(ProviderUnavailable) as caught:
+            pay(ex, "k")
+    assert caught.value.operation_id is not None
+    record = store.get("shop", caught.value.operation_id)
+    assert record.released and record.possibly_sent is False
+    assert record.response is not None and record.response["status"] == "not_sent"
+    answer = http_answer(caught.value)
+    # No answer invites a new key: nothing was stored, the same key runs again.
+    assert (answer.status, answer.body["retry"]) == (503, "same_key")
+    assert answer.body["type"] == "urn:payorch:problem:provider-unavailable"
     assert int(answer.headers["Retry-After"]) >= 1
+    assert sandbox.ledger() == []
 
 
 @pytest.mark.parametrize("status", [401, 403])
@@ -190,7 +198,7 @@ def test_credentials_refused_is_not_sent_never_a_decline(status: int) -> None:
 @pytest.mark.parametrize(
     ("status", "error_type"), [(401, "authentication_error"), (403, "permission_error")]
 )
-def test_a_stripe_401_or_403_is_stored_as_nothing_sent(
+def test_a_stripe_401_or_403_is_released_as_nothing_sent(
     store: Store, status: int, error_type: str
 ) -> None:
     body = {"error": {"type": error_type, "message": "Invalid API Key provided: sk_test_****x"}}
@@ -207,13 +215,19 @@ def test_a_stripe_401_or_403_is_stored_as_nothing_sent(
                 lease=timedelta(seconds=60),
                 sleep=RecordingSleep(),
             )
-            outcome = pay(ex, "k", payment_method="pm_card_visa")
+            with pytest.raises(ProviderUnavailable) as caught:
+                pay(ex, "k", payment_method="pm_card_visa")
     assert len(route.calls) == 1  # credentials are not fixed by backoff: no inline retry
-    record = store.get("shop", outcome.operation_id)
-    assert (record.state, record.possibly_sent) == (State.FAILED_FINAL, False)
-    answer = http_answer(outcome)
+    assert caught.value.operation_id is not None
+    record = store.get("shop", caught.value.operation_id)
+    assert (record.state, record.possibly_sent) == (State.IN_PROGRESS, False)
+    assert record.released and record.response is not None  # no decline stored for the key
+    assert record.response["code"] == "provider_auth_failed"
+    assert caught.value.retry_after == 60.0  # Stripe's refusal is not retried every 5 s
+    answer = http_answer(caught.value)
     assert answer.status == 503 and answer.status != 402
-    assert answer.body["retry"] == "new_key"
-    assert "credentials" in answer.body["message"]
-    [last] = [e for e in store.events("shop", record.id) if e.kind == "provider_answer"]
+    assert answer.body["retry"] == "same_key"
+    assert answer.body["code"] == "provider_auth_failed"
+    [last] = [e for e in store.events("shop", record.id) if e.kind == "not_sent"]
     assert last.detail is not None and last.detail["code"] == "provider_auth_failed"
+    assert "credentials" in last.detail["message"]

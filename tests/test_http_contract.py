@@ -338,11 +338,12 @@ ROWS: list[tuple[str, Outcome, int, dict[str, str], str | None]] = [
         None,
     ),
     (
-        "nothing sent",
+        # Stored before 0003 reopened such rows: even then, never a new key.
+        "nothing sent, stored",
         outcome(State.FAILED_FINAL, code="provider_unavailable", http_status=503),
         503,
         {"Retry-After": "5"},
-        "new_key",
+        "same_key",
     ),
     ("unknown", outcome(State.OUTCOME_UNKNOWN), 202, {"Location": "/ops/op-1"}, "same_key"),
     ("taken over", outcome(State.IN_PROGRESS), 409, {"Retry-After": "1"}, "same_key"),

@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from conftest import RecordingSleep
+from conftest import RecordingSleep, effects_of
 
 from payorch.core import State
 from payorch.executor import Executor
@@ -90,8 +90,8 @@ def run_overtaken(
     )
 
 
-def money(sandbox: SandboxServer, op_id: str) -> int:
-    return len([e for e in sandbox.effects_for(op_id) if e["status"] in MONEY])
+def money(sandbox: SandboxServer, store: Store, op_id: str) -> int:
+    return len([e for e in effects_of(sandbox, store, "shop", op_id) if e["status"] in MONEY])
 
 
 def test_late_success_against_an_operator_failure_is_flagged_conflicting_evidence(
@@ -106,9 +106,9 @@ def test_late_success_against_an_operator_failure_is_flagged_conflicting_evidenc
     assert last.kind == "conflicting_evidence" and last.actor == "slow-worker"
     assert last.detail is not None
     assert last.detail["kind"] == "succeeded" and last.detail["conflicts_with"] == "failed_final"
-    (effect,) = sandbox.effects_for(outcome.operation_id)
+    (effect,) = effects_of(sandbox, store, "shop", outcome.operation_id)
     assert last.detail["provider_reference"] == effect["id"]
-    assert money(sandbox, outcome.operation_id) == 1
+    assert money(sandbox, store, outcome.operation_id) == 1
 
 
 def test_late_decline_against_a_success_is_flagged(
@@ -126,7 +126,7 @@ def test_late_decline_against_a_success_is_flagged(
     last = store.events("shop", outcome.operation_id)[-1]
     assert last.kind == "conflicting_evidence"
     assert last.detail is not None and last.detail["conflicts_with"] == "succeeded"
-    assert money(sandbox, outcome.operation_id) == 0
+    assert money(sandbox, store, outcome.operation_id) == 0
 
 
 def test_late_success_naming_another_object_is_flagged(
@@ -151,7 +151,7 @@ def test_late_answer_that_agrees_stays_a_plain_event(
     assert record.state is State.SUCCEEDED and not record.needs_attention
     kinds = [e.kind for e in store.events("shop", outcome.operation_id)]
     assert kinds[-1] == "late_answer" and "conflicting_evidence" not in kinds
-    assert money(sandbox, outcome.operation_id) == 1
+    assert money(sandbox, store, outcome.operation_id) == 1
 
 
 def test_inconclusive_late_answer_stays_a_plain_event(

@@ -256,11 +256,15 @@ def test_recheck_refuses_a_provider_it_cannot_ask(store: Store) -> None:
     assert snapshot(store) == before
 
 
-def test_recheck_settles_an_abandoned_attempt_without_the_provider(store: Store) -> None:
+def test_recheck_releases_an_abandoned_attempt_without_the_provider(store: Store) -> None:
     op = claim(store, "k1", lease=timedelta(seconds=-1), possibly_sent=False)
     result = operator.recheck(store, reconciler(store), op.tenant_id, op.id, actor="alice")
     assert result.outcome == "abandoned"
-    assert result.record.state is State.FAILED_FINAL
+    # Nothing was sent: no outcome is stored; released, the key's next request runs it again.
+    after = store.get(op.tenant_id, op.id)
+    assert result.record == after
+    assert after.released and after.state is State.IN_PROGRESS
+    assert after.lease_owner is None and not after.possibly_sent and after.response is None
     kinds = [e.kind for e in store.events(op.tenant_id, op.id)]
     assert kinds[-2:] == ["operator_recheck", "abandoned"]
 

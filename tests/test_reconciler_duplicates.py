@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import httpx
 import respx
-from conftest import RecordingSleep, make_due
+from conftest import RecordingSleep, effects_of, make_due
 
 from payorch.core import State
 from payorch.executor import Executor
@@ -54,10 +54,12 @@ def test_sandbox_listing_with_two_effects_settles_and_flags(
             operation_id=record.id,
             downstream_key=record.downstream_key,
             payload=PAYMENT,
+            idempotency_key=record.idempotency_key,
+            fingerprint=record.fingerprint,
         )
     )
     assert stray.kind is AnswerKind.SUCCEEDED
-    refs = {e["id"] for e in sandbox.effects_for(record.id)}
+    refs = {e["id"] for e in effects_of(sandbox, store, "shop", record.id)}
     assert len(refs) == 2
 
     make_due(store, record.id)

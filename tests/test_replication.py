@@ -29,7 +29,7 @@ from pgreplica import ReplicaPair, poll
 from payorch import metrics, migrate
 from payorch.core import State
 from payorch.daemon import ReconcilerDaemon
-from payorch.db import run_sql
+from payorch.db import create_engine, run_sql
 from payorch.errors import (
     CommitUncertain,
     ConfigurationError,
@@ -47,6 +47,11 @@ pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 KEYS = [f"order-{i}" for i in range(8)]
 PAYORCH = Path(sys.executable).with_name("payorch")
+
+
+def strict_store(url: str) -> Store:
+    """A store that claims only while a synchronous standby streams."""
+    return Store(create_engine(url), require_sync_standby=True)
 
 
 def payment(i: int) -> dict[str, object]:
@@ -314,7 +319,7 @@ def test_async_replication_is_reported_with_a_warning(
     finally:
         store.close()
     with pytest.raises(ConfigurationError, match="synchronous_standby_names is empty"):
-        Store.from_url(async_pair.primary_url, require_sync_standby=True)
+        strict_store(async_pair.primary_url)
 
 
 def test_a_standby_url_is_a_one_line_error_and_a_multi_host_url_finds_the_primary(
@@ -353,7 +358,7 @@ def test_strict_claims_need_a_streaming_synchronous_standby(
 ) -> None:
     strict = {"PAYORCH_REQUIRE_SYNC_STANDBY": "1"}
     assert health(sync_pair.primary_url, **strict)["problem"] is None
-    store = Store.from_url(sync_pair.primary_url, require_sync_standby=True)  # starts: sync
+    store = strict_store(sync_pair.primary_url)  # starts: sync
     try:
         ex = executor_on(store, provider)
         first = ex.execute(
@@ -379,7 +384,7 @@ def test_strict_claims_need_a_streaming_synchronous_standby(
                 done = payorch("db", "health", "--database-url", sync_pair.primary_url, env=strict)
                 assert done.returncode == 1 and "0 of 1 synchronous standbys" in done.stderr
                 with pytest.raises(ConfigurationError, match="0 of 1 synchronous standbys"):
-                    Store.from_url(sync_pair.primary_url, require_sync_standby=True)
+                    strict_store(sync_pair.primary_url)
             finally:
                 sync_pair.restart_standby()
                 sync_pair.wait_streaming()

@@ -21,7 +21,8 @@ PAYMENT = {
     "currency": "EUR",
     "customer": "cus_1",
     "payment_method": "pm_card_visa",
-    "metadata": {"operation_id": "op_1", "tenant_id": "t_1"},
+    # What payorch tags a request with (payorch.provider.provider_tags), abridged.
+    "metadata": {"payorch_ref": "ref_1", "payorch_tenant_id": "t_1"},
 }
 CREATE = "/v1/operations/payment.create"
 
@@ -117,8 +118,10 @@ def test_create_commits_one_effect(sandbox: SandboxServer, client: httpx.Client)
     assert isinstance(effect["created"], int)
     assert "idempotent-replayed" not in response.headers
     assert sandbox.ledger() == [effect]
-    assert sandbox.effects_for("op_1") == [effect]
-    assert sandbox.effects_for("op_other") == []
+    # By the downstream key it was made under, or by the namespace ref it is tagged with.
+    assert sandbox.effects_for("k1") == [effect]
+    assert sandbox.effects_for("ref_1") == [effect]
+    assert sandbox.effects_for("k_other") == sandbox.effects_for("ref_other") == []
     assert client.get(f"/v1/effects/{effect['id']}").json() == effect
     assert client.get("/v1/ledger").json() == {"data": [effect]}
 
@@ -183,7 +186,7 @@ def test_key_is_forgotten_after_the_window() -> None:
         assert "idempotent-replayed" not in second.headers
         assert second.json()["id"] != first["id"]
         # The hazard the orchestrator must avoid: two effects for one key.
-        assert len(sb.effects_for("op_1")) == 2
+        assert len(sb.effects_for("k1")) == 2
         listed = client.get("/v1/effects", params={"idempotency_key": "k1"}).json()["data"]
         assert [e["id"] for e in listed] == [first["id"], second.json()["id"]]
 
@@ -196,7 +199,7 @@ def test_concurrent_same_key_gets_request_in_progress(
         first = threading.Thread(target=lambda: results.append(post(client, "k1")))
         first.start()
         try:
-            assert gate.wait_held(1)
+            assert gate.wait_held(1, timeout=30)
             second = post(client, "k1")
             assert second.status_code == 409
             assert second.json()["error"] == {
@@ -210,7 +213,7 @@ def test_concurrent_same_key_gets_request_in_progress(
             )
         finally:
             gate.release()
-            first.join(5)
+            first.join(30)
     assert results[0].status_code == 200
     assert post(client, "k1").headers["idempotent-replayed"] == "true"
     assert len(sandbox.ledger()) == 1
@@ -223,7 +226,7 @@ def test_many_concurrent_duplicates_make_one_effect(sandbox: SandboxServer) -> N
 
     def worker() -> None:
         with httpx.Client(base_url=sandbox.url, timeout=5.0) as c:
-            barrier.wait(5)
+            barrier.wait(60)  # bounded: sixteen threads on a loaded machine
             status = post(c, "same").status_code
         with lock:
             statuses.append(status)
@@ -232,7 +235,7 @@ def test_many_concurrent_duplicates_make_one_effect(sandbox: SandboxServer) -> N
     for t in threads:
         t.start()
     for t in threads:
-        t.join(10)
+        t.join(60)
     assert len(statuses) == 16
     assert set(statuses) <= {200, 409}
     assert 200 in statuses
@@ -405,8 +408,10 @@ def test_status_lag_hides_young_effects() -> None:
         assert len(client.get("/v1/ledger").json()["data"]) == 1  # the truth is there
         sb.advance(30)
         assert client.get(f"/v1/effects/{effect['id']}").json() == effect
-        by_operation = client.get("/v1/effects", params={"operation_id": "op_1"}).json()
-        assert by_operation == {"data": [effect]}
+        by_ref = client.get("/v1/effects", params={"payorch_ref": "ref_1"}).json()
+        assert by_ref == {"data": [effect]}
+        other = client.get("/v1/effects", params={"payorch_ref": "ref_other"}).json()
+        assert other == {"data": []}
 
 
 def test_pending_settles_after_time() -> None:
@@ -487,7 +492,7 @@ def test_webhooks_are_posted_to_webhook_url() -> None:
         ):
             post(client, "k1")
             post(client, "k2", fault="decline")
-            assert arrived.wait(5)
+            assert arrived.wait(30)  # delivered by the sandbox's own thread
             deliveries = sb.webhook_deliveries()
         assert [body for _, body in received] == [d.body for d in deliveries]
         for headers, body in received:
@@ -520,7 +525,7 @@ def test_serve_runs_until_sigterm() -> None:
 
 def test_ledger_entries_are_copies(sandbox: SandboxServer, client: httpx.Client) -> None:
     post(client, "k1")
-    sandbox.ledger()[0]["metadata"]["operation_id"] = "tampered"
+    sandbox.ledger()[0]["metadata"]["payorch_ref"] = "tampered"
     assert (
         json.loads(client.get("/v1/ledger").content)["data"][0]["metadata"] == (PAYMENT["metadata"])
     )

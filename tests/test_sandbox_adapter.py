@@ -13,6 +13,7 @@ import httpx
 import pytest
 from standardwebhooks.webhooks import Webhook
 
+from payorch.core import downstream_key, namespace_ref
 from payorch.errors import (
     ConfigurationError,
     ProviderIdempotencyError,
@@ -44,7 +45,16 @@ def provider(sandbox: SandboxServer) -> Iterator[SandboxProvider]:
         yield p
 
 
-def request(key: str = "dk_1", operation_id: str = "op_1", **payload: Any) -> SubmitRequest:
+def key_of(idempotency_key: str) -> str:
+    """The downstream key payorch sends for the client's key (from the namespace)."""
+    return downstream_key(namespace_ref("t_1", "payment.create", idempotency_key))
+
+
+DK_1 = key_of("order-1")
+
+
+def request(key: str = "order-1", operation_id: str = "op_1", **payload: Any) -> SubmitRequest:
+    """A request as the executor makes it for the client's ``key``."""
     body: dict[str, Any] = {
         "amount": 1250,
         "currency": "EUR",
@@ -56,18 +66,22 @@ def request(key: str = "dk_1", operation_id: str = "op_1", **payload: Any) -> Su
         tenant_id="t_1",
         operation="payment.create",
         operation_id=operation_id,
-        downstream_key=key,
+        downstream_key=key_of(key),
         payload=body,
+        idempotency_key=key,
+        fingerprint="f" * 64,
     )
 
 
-def query(key: str = "dk_1", reference: str | None = None) -> StatusQuery:
+def query(key: str = "order-1", reference: str | None = None) -> StatusQuery:
     return StatusQuery(
         tenant_id="t_1",
         operation="payment.create",
         operation_id="op_1",
-        downstream_key=key,
+        downstream_key=key_of(key),
         provider_reference=reference,
+        idempotency_key=key,
+        fingerprint="f" * 64,
     )
 
 
@@ -128,12 +142,40 @@ def test_submit_succeeds_and_tags_metadata(
 ) -> None:
     answer = provider.submit(request(metadata={"order": "o_9"}))
     assert answer.kind is AnswerKind.SUCCEEDED
-    [effect] = sandbox.effects_for("op_1")
+    [effect] = sandbox.effects_for(DK_1)
     assert answer.provider_reference == effect["id"]
     assert answer.status_code == 200
     assert answer.body is not None and answer.body["id"] == effect["id"]
-    assert effect["idempotency_key"] == "dk_1"
-    assert effect["metadata"] == {"order": "o_9", "operation_id": "op_1", "tenant_id": "t_1"}
+    assert effect["idempotency_key"] == DK_1
+    # The caller's metadata, and payorch's tags from the namespace: never the operation id.
+    assert effect["metadata"] == {
+        "order": "o_9",
+        "payorch_ref": DK_1.split(":")[1],
+        "payorch_tenant_id": "t_1",
+        "payorch_operation": "payment.create",
+        "payorch_idempotency_key": "order-1",
+        "payorch_fingerprint": "f" * 64,
+    }
+    assert "op_1" not in json.dumps(effect)
+
+
+def test_a_request_of_the_earlier_key_form_keeps_its_earlier_tags(
+    sandbox: SandboxServer, provider: SandboxProvider
+) -> None:
+    legacy = SubmitRequest(
+        tenant_id="t_1",
+        operation="payment.create",
+        operation_id="op_9",
+        downstream_key="payorch:op_9:submit",  # claimed before keys came from the namespace
+        payload={"amount": 1250, "currency": "EUR", "customer": "cus_1"},
+        idempotency_key="order-9",
+    )
+    assert provider.submit(legacy).kind is AnswerKind.SUCCEEDED
+    [effect] = sandbox.effects_for("op_9")  # found by its operation id, as it was tagged
+    assert effect["metadata"] == {"payorch_operation_id": "op_9", "payorch_tenant_id": "t_1"}
+    [delivery] = sandbox.webhook_deliveries()
+    event = provider.parse_webhook(delivery.headers, delivery.body)
+    assert (event.operation_id, event.downstream_key) == ("op_9", "payorch:op_9:submit")
 
 
 def test_resubmit_is_replayed(sandbox: SandboxServer, provider: SandboxProvider) -> None:
@@ -160,7 +202,7 @@ def test_past_the_window_a_resubmit_makes_a_second_effect(
     second = provider.submit(request())
     assert second.kind is AnswerKind.SUCCEEDED
     assert second.provider_reference != first.provider_reference
-    assert len(sandbox.effects_for("op_1")) == 2
+    assert len(sandbox.effects_for(DK_1)) == 2
     status = provider.query_status(query())
     assert status.kind is AnswerKind.SUCCEEDED
     assert status.message == "2 effects for this key"
@@ -198,10 +240,10 @@ def test_fault_classification(
     sandbox.inject(fault)
     answer = provider.submit(request())
     assert answer.kind is kind
-    assert [e["status"] for e in sandbox.effects_for("op_1")] == effects
+    assert [e["status"] for e in sandbox.effects_for(DK_1)] == effects
     # Whatever happened, a resubmit with the same key never adds a second money movement.
     provider.submit(request())
-    moved = [e for e in sandbox.effects_for("op_1") if e["status"] != "declined"]
+    moved = [e for e in sandbox.effects_for(DK_1) if e["status"] != "declined"]
     assert len(moved) <= 1
 
 
@@ -240,7 +282,7 @@ def test_dropped_response_is_ambiguous_and_committed(sandbox: SandboxServer) -> 
         answer = provider.submit(request())
         assert answer.kind is AnswerKind.AMBIGUOUS
         assert answer.code == "ReadTimeout"
-        [effect] = sandbox.effects_for("op_1")
+        [effect] = sandbox.effects_for(DK_1)
         # Resubmitting with the same downstream key recovers the committed effect.
         again = provider.submit(request())
     assert again.kind is AnswerKind.SUCCEEDED
@@ -262,11 +304,11 @@ def test_in_progress_is_not_sent(sandbox: SandboxServer, provider: SandboxProvid
         first = threading.Thread(target=lambda: answers.append(provider.submit(request())))
         first.start()
         try:
-            assert gate.wait_held(1)
+            assert gate.wait_held(1, timeout=30)
             second = provider.submit(request())
         finally:
             gate.release()
-            first.join(5)
+            first.join(30)
     assert second.kind is AnswerKind.NOT_SENT
     assert second.code == "request_in_progress"
     assert second.retry_after == 1.0
@@ -286,7 +328,7 @@ def test_query_by_reference_and_by_key(provider: SandboxProvider) -> None:
 
 
 def test_query_unknown(provider: SandboxProvider) -> None:
-    assert provider.query_status(query("dk_none")).kind is AnswerKind.NOT_FOUND
+    assert provider.query_status(query("order-none")).kind is AnswerKind.NOT_FOUND
     answer = provider.query_status(query(reference="sbx_none"))
     assert answer.kind is AnswerKind.NOT_FOUND
     assert answer.status_code == 404
@@ -345,7 +387,7 @@ def test_webhook_round_trip(sandbox: SandboxServer, provider: SandboxProvider) -
     submitted = provider.submit(request())
     assert submitted.provider_reference is not None
     sandbox.settle(submitted.provider_reference)
-    provider.submit(request("dk_2", "op_2", payment_method="pm_card_declined"))
+    provider.submit(request("order-2", "op_2", payment_method="pm_card_declined"))
     events = [provider.parse_webhook(d.headers, d.body) for d in sandbox.webhook_deliveries()]
     assert [e.outcome for e in events] == [
         AnswerKind.PENDING,
@@ -355,12 +397,12 @@ def test_webhook_round_trip(sandbox: SandboxServer, provider: SandboxProvider) -
     first = events[0]
     assert first.event_type == "effect.processing"
     assert first.provider_reference == submitted.provider_reference
-    assert first.downstream_key == "dk_1"
-    assert first.operation_id == "op_1"
+    assert first.downstream_key == DK_1
+    assert first.operation_id is None  # the operation id never crosses to the provider
     assert first.event_id == sandbox.webhook_deliveries()[0].event_id
     assert first.occurred_at is not None and first.occurred_at.tzinfo is not None
     assert first.body["data"]["id"] == submitted.provider_reference
-    assert events[2].operation_id == "op_2"
+    assert events[2].downstream_key == key_of("order-2") and events[2].operation_id is None
     assert len({e.event_id for e in events}) == 3
 
 
@@ -493,9 +535,17 @@ def test_the_request_is_what_the_server_expects() -> None:
     post, by_key, by_ref = seen
     assert post.method == "POST"
     assert post.url == "http://sandbox.test/v1/operations/payment.create"
-    assert post.headers["idempotency-key"] == "dk_1"
-    assert json.loads(post.content)["metadata"] == {"operation_id": "op_1", "tenant_id": "t_1"}
-    assert by_key.url == "http://sandbox.test/v1/effects?idempotency_key=dk_1"
+    assert post.headers["idempotency-key"] == DK_1
+    assert json.loads(post.content)["metadata"] == request().tags
+    assert set(request().tags) == {
+        "payorch_ref",
+        "payorch_tenant_id",
+        "payorch_operation",
+        "payorch_idempotency_key",
+        "payorch_fingerprint",
+    }
+    assert by_key.url.path == "/v1/effects"
+    assert dict(by_key.url.params) == {"idempotency_key": DK_1}
     assert by_ref.url.raw_path == b"/v1/effects/sbx%2F1"
     assert post.extensions["timeout"] == DEFAULT_TIMEOUT.as_dict()
 

@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 from payorch import db, sessions
 from payorch.cli.app import app
+from payorch.db import create_engine
 from payorch.errors import (
     CommitUncertain,
     ConfigurationError,
@@ -37,6 +38,11 @@ from payorch.store import Store
 PAYORCH = Path(sys.executable).with_name("payorch")
 PAYMENT = {"amount": 1500, "currency": "EUR", "customer": "cus_1"}
 runner = CliRunner()
+
+
+def strict_store(url: str) -> Store:
+    """A store that claims only while a synchronous standby streams."""
+    return Store(create_engine(url), require_sync_standby=True)
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -187,7 +193,7 @@ def test_health_reports_no_replication_and_the_strict_setting_refuses_at_start_u
     assert text.returncode == 0 and "replication none:" in text.stdout
 
     with pytest.raises(ConfigurationError, match="synchronous_standby_names is empty"):
-        Store.from_url(postgres_url, require_sync_standby=True)
+        strict_store(postgres_url)
     strict = {"PAYORCH_REQUIRE_SYNC_STANDBY": "1"}
     refused = one_line_error(cli("db", "health", "--database-url", postgres_url, env=strict))
     assert "PAYORCH_REQUIRE_SYNC_STANDBY is set" in refused and "is empty" in refused
@@ -214,7 +220,7 @@ def test_the_strict_setting_on_sqlite_and_bad_values_are_refused(
 ) -> None:
     url = f"sqlite:///{tmp_path / 'p.db'}"
     with pytest.raises(ConfigurationError, match="SQLite has no standby"):
-        Store.from_url(url, require_sync_standby=True)
+        strict_store(url)
     monkeypatch.setenv("PAYORCH_REQUIRE_SYNC_STANDBY", "maybe")
     with pytest.raises(ConfigurationError, match="PAYORCH_REQUIRE_SYNC_STANDBY='maybe'"):
         Store.from_url(url)

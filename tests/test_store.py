@@ -13,7 +13,7 @@ import sqlalchemy as sa
 import workers
 
 from payorch import migrate
-from payorch.core import State
+from payorch.core import State, downstream_key, namespace_ref
 from payorch.errors import (
     IdempotencyKeyReused,
     InvalidTransition,
@@ -53,7 +53,10 @@ def test_claim_persists_in_progress_with_lease_and_downstream_key(store: Store) 
     assert op.state is State.IN_PROGRESS
     assert op.lease_owner == "worker-a"
     assert op.lease_expires_at is not None and op.lease_expires_at > op.created_at
-    assert op.downstream_key.endswith(f"{op.id}:submit")
+    # From the namespace, never from the operation id (a failover may re-create the claim).
+    new = _new()
+    ref = namespace_ref(new.tenant_id, new.operation, new.idempotency_key)
+    assert op.downstream_key == downstream_key(ref) and op.id not in op.downstream_key
     stored = store.get("t1", op.id)
     assert stored == op
     assert [e.kind for e in store.events("t1", op.id)] == ["claimed"]

@@ -79,6 +79,14 @@ class StoreMachine(RuleBasedStateMachine):
             with pytest.raises(IdempotencyKeyReused):
                 self.store.claim(new, owner="w", lease=LEASE)  # type: ignore[arg-type]
             self.writes += 1  # the refusal is noted in the log
+        elif current.released:
+            # Nothing sent and nobody holding it: the claim takes the operation over.
+            res = self.store.claim(new, owner="w", lease=LEASE)  # type: ignore[arg-type]
+            assert res.created and res.operation.id == current.id
+            assert res.operation.version == current.version + 1
+            self.stale[key] = current
+            self.latest[key] = res.operation
+            self.writes += 1
         elif current.state is State.IN_PROGRESS:
             with pytest.raises(OperationInProgress):
                 self.store.claim(new, owner="w", lease=LEASE)  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import respx
 
+from payorch.core import downstream_key, namespace_ref
 from payorch.errors import (
     ConfigurationError,
     ProviderIdempotencyError,
@@ -35,7 +36,11 @@ API_KEY = "sk_test_4eC39HqLyjWDarjtT1zdp7dc"
 SECRET = "whsec_test_5ZyGQ0lqYzbw0sNLDXNkKfd2TzQ4n7Xh"
 OP_ID = "0192c0de-7a1b-7c3d-8e4f-5a6b7c8d9e0f"
 TENANT = "tenant-a"
+# A downstream key of the earlier form (payorch:<operation id>:…): such operations keep the
+# metadata they were first sent with (payorch_operation_id). Today's form: NS_KEY below.
 KEY = "payorch:0192c0de-7a1b-7c3d-8e4f-5a6b7c8d9e0f:1"
+NS_KEY = downstream_key(namespace_ref(TENANT, "payment.create", "order-17"))
+NS_REF = NS_KEY.split(":")[1]
 PI_ID = "pi_3MtwBwLkdIwHu7ix28a3tqPa"
 RE_ID = "re_1Nispe2eZvKYlo2Cd31jOCgZ"
 
@@ -289,6 +294,41 @@ def test_payment_create_is_form_encoded_with_metadata(
         "metadata[payorch_tenant_id]": TENANT,
         "metadata[payorch_operation]": "payment.create",
     }
+
+
+def test_a_namespace_keyed_create_is_tagged_with_the_namespace_never_the_operation_id(
+    stripe: StripeProvider, router: respx.Router
+) -> None:
+    route = router.post("/v1/payment_intents").mock(
+        return_value=httpx.Response(200, json=payment_intent())
+    )
+    request = SubmitRequest(
+        tenant_id=TENANT,
+        operation="payment.create",
+        operation_id=OP_ID,
+        downstream_key=NS_KEY,
+        payload={
+            "amount": 2000,
+            "currency": "USD",
+            "payment_method": "pm_card_visa",
+            "metadata": {"order": "A-17", "payorch_ref": "spoofed"},
+        },
+        idempotency_key="order-17",
+        fingerprint="f" * 64,
+    )
+    stripe.submit(request)
+    sent = route.calls.last.request
+    assert sent.headers["idempotency-key"] == NS_KEY
+    metadata = {k: v for k, v in form_of(sent).items() if k.startswith("metadata[")}
+    assert metadata == {
+        "metadata[order]": "A-17",
+        "metadata[payorch_ref]": NS_REF,
+        "metadata[payorch_tenant_id]": TENANT,
+        "metadata[payorch_operation]": "payment.create",
+        "metadata[payorch_idempotency_key]": "order-17",
+        "metadata[payorch_fingerprint]": "f" * 64,
+    }
+    assert OP_ID.encode() not in sent.content  # a re-created claim sends the same bytes
 
 
 def test_caller_metadata_cannot_spoof_payorch_keys(
@@ -907,6 +947,29 @@ def test_search_fallback_finds_and_rereads_the_intent(
     )
     assert fresh.called
     # The fresh read decides, not the (possibly stale) search index.
+    assert (answer.kind, answer.provider_reference) == (AnswerKind.SUCCEEDED, PI_ID)
+
+
+def test_search_of_a_namespace_keyed_operation_asks_by_its_ref(
+    stripe: StripeProvider, router: respx.Router
+) -> None:
+    tagged = payment_intent("succeeded")
+    tagged["metadata"] = {"payorch_ref": NS_REF, "payorch_tenant_id": TENANT}
+    search = router.get("/v1/payment_intents/search").mock(
+        return_value=httpx.Response(200, json=search_result(tagged))
+    )
+    router.get(f"/v1/payment_intents/{PI_ID}").mock(return_value=httpx.Response(200, json=tagged))
+    answer = stripe.query_status(
+        StatusQuery(
+            tenant_id=TENANT,
+            operation="payment.create",
+            operation_id=OP_ID,
+            downstream_key=NS_KEY,
+            provider_reference=None,
+            idempotency_key="order-17",
+        )
+    )
+    assert search.calls.last.request.url.params["query"] == f"metadata['payorch_ref']:'{NS_REF}'"
     assert (answer.kind, answer.provider_reference) == (AnswerKind.SUCCEEDED, PI_ID)
 
 

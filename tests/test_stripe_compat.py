@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
+from urllib.parse import parse_qs
 
 import httpx
 import pytest
@@ -40,7 +41,16 @@ NOT_ENABLED = {
 }
 
 
-def intent(ident: str = PI_ID, *, operation_id: str = OP_ID, status: str = "succeeded") -> Any:
+def intent(
+    ident: str = PI_ID,
+    *,
+    operation_id: str = OP_ID,
+    status: str = "succeeded",
+    tags: dict[str, str] | None = None,
+) -> Any:
+    """A PaymentIntent; tagged as an operation of the earlier key form (``payorch:<id>:…``)
+    unless ``tags`` gives the metadata payorch sends today (from the namespace)."""
+    legacy = {"payorch_operation_id": operation_id, "payorch_operation": "payment.create"}
     return {
         "id": ident,
         "object": "payment_intent",
@@ -49,7 +59,7 @@ def intent(ident: str = PI_ID, *, operation_id: str = OP_ID, status: str = "succ
         "status": status,
         "capture_method": "automatic",
         "created": CREATED,
-        "metadata": {"payorch_operation_id": operation_id, "payorch_operation": "payment.create"},
+        "metadata": legacy if tags is None else tags,
     }
 
 
@@ -287,13 +297,32 @@ def test_reconciler_settles_through_the_list_fallback(store: Store) -> None:
         transport=httpx.MockTransport(router.handler),
     ) as stripe:
         op_id = _unknown(store, stripe, "order-1")
-        router.get("/v1/payment_intents").mock(return_value=page(intent(operation_id=op_id)))
+        claimed = store.get("shop", op_id)
+        # What the POST tagged the intent with: the namespace, never the operation id.
+        sent = {
+            k[len("metadata[") : -1]: v[0]
+            for k, v in parse_qs(post.calls.last.request.content.decode()).items()
+            if k.startswith("metadata[")
+        }
+        assert sent["payorch_ref"] == claimed.downstream_key.split(":")[1]
+        assert "payorch_operation_id" not in sent
+        stranger = {**sent, "payorch_ref": "0" * 32}  # another namespace's intent
+        listing = router.get("/v1/payment_intents").mock(
+            return_value=page(intent("pi_other", tags=stranger), intent(tags=sent))
+        )
         make_due(store, op_id)
         report = _reconciler(store, stripe).reconcile_once()
     assert report.outcomes["succeeded"] == 1
     record = store.get("shop", op_id)
     assert record.state is State.SUCCEEDED and record.provider_reference == PI_ID
+    assert not record.needs_attention  # the other namespace's intent is not a duplicate
     assert post.call_count == 1
+    # A claim may re-create one a failover lost: the list reaches back by the key window.
+    params = listing.calls.last.request.url.params
+    created = claimed.created_at.timestamp()
+    window = IDEMPOTENCY_WINDOW.total_seconds()
+    assert int(params["created[gte]"]) <= created - window
+    assert int(params["created[lte]"]) >= created + window
 
 
 def test_window_none_never_resubmits(store: Store) -> None:

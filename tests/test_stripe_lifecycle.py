@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -48,6 +49,7 @@ class StripeDouble:
     def __init__(self) -> None:
         self.intents: dict[str, dict[str, Any]] = {}
         self.fail_next = False
+        self.searches: list[str] = []  # the search queries received
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -58,10 +60,12 @@ class StripeDouble:
             intent.update(status="succeeded", amount_capturable=0, amount_received=2000)
             return self._answer(intent)
         if path == "/v1/payment_intents/search":
-            wanted = request.url.params["query"].split(":'")[1].rstrip("'")
-            found = [
-                i for i in self.intents.values() if i["metadata"]["payorch_operation_id"] == wanted
-            ]
+            self.searches.append(request.url.params["query"])
+            # metadata['<key>']:'<value>' (what the adapter asks; no escapes in these values)
+            matched = re.fullmatch(r"metadata\['([^']+)'\]:'([^'\\]*)'", self.searches[-1])
+            assert matched is not None, self.searches[-1]
+            name, wanted = matched.groups()
+            found = [i for i in self.intents.values() if i["metadata"].get(name) == wanted]
             return httpx.Response(
                 200, json={"object": "search_result", "data": found, "has_more": False}
             )
@@ -101,6 +105,12 @@ class StripeDouble:
 
     def only(self) -> dict[str, Any]:
         (intent,) = self.intents.values()
+        return intent
+
+    def of(self, store: Store, operation_id: str) -> dict[str, Any]:
+        """The intent made for an operation: tagged with its namespace ref (not its id)."""
+        ref = store.get(TENANT, operation_id).downstream_key.split(":")[1]
+        (intent,) = [i for i in self.intents.values() if i["metadata"].get("payorch_ref") == ref]
         return intent
 
     def cancel(self, intent: dict[str, Any], reason: str) -> None:
@@ -249,7 +259,7 @@ def test_status_query_reads_a_released_authorisation_as_the_webhook_does(
         stripe_double.fail_next = True
         ids.append(pay(executor, key))
     assert [store.get(TENANT, i).state for i in ids] == [State.OUTCOME_UNKNOWN] * 2
-    by_op = {i["metadata"]["payorch_operation_id"]: i for i in stripe_double.intents.values()}
+    by_op = {i: stripe_double.of(store, i) for i in ids}
     for intent in by_op.values():
         stripe_double.cancel(intent, "requested_by_customer")
 
@@ -360,7 +370,7 @@ def test_declines_carry_the_same_code_by_webhook_and_by_status_query(
     for key in ("order-a", "order-b"):
         stripe_double.fail_next = True
         ids.append(pay(executor, key, manual=False))
-    by_op = {i["metadata"]["payorch_operation_id"]: i for i in stripe_double.intents.values()}
+    by_op = {i: stripe_double.of(store, i) for i in ids}
     for intent in by_op.values():
         stripe_double.decline(intent, error)
 

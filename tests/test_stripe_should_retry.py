@@ -38,14 +38,15 @@ IN_USE = {
 RETRY = {"Stripe-Should-Retry": "true", "Retry-After": "3"}
 
 
-def intent(operation_id: str) -> dict[str, Any]:
+def intent(ref: str) -> dict[str, Any]:
+    """A PaymentIntent payorch made: tagged with its operation's namespace ref."""
     return {
         "id": "pi_3MtwBwLkdIwHu7ix28a3tqPa",
         "object": "payment_intent",
         "amount": 2000,
         "currency": "eur",
         "status": "succeeded",
-        "metadata": {"payorch_operation_id": operation_id},
+        "metadata": {"payorch_ref": ref},
     }
 
 
@@ -128,8 +129,9 @@ def test_key_in_use_ends_unknown_and_the_reconciler_finds_the_charge(store: Stor
             answer = http_answer(outcome)
             assert (answer.status, answer.body["retry"]) == (202, "same_key")
 
-            found = intent(record.id)
-            mock.get("/v1/payment_intents/search").mock(
+            ref = record.downstream_key.split(":")[1]
+            found = intent(ref)
+            search = mock.get("/v1/payment_intents/search").mock(
                 return_value=httpx.Response(
                     200, json={"object": "search_result", "data": [found], "has_more": False}
                 )
@@ -142,6 +144,9 @@ def test_key_in_use_ends_unknown_and_the_reconciler_finds_the_charge(store: Stor
                 store=store, providers=[stripe], policy=ReconcilerPolicy(lease=timedelta(minutes=2))
             )
             rec.reconcile_once()
+            assert search.calls.last.request.url.params["query"] == (
+                f"metadata['payorch_ref']:'{ref}'"
+            )
     settled = store.get("shop", record.id)
     assert (settled.state, settled.provider_reference) == (State.SUCCEEDED, found["id"])
     assert len(route.calls) == 1  # settled by a status query, never re-sent

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -40,21 +40,28 @@ from payorch.provider import (
     TAG_LEGACY_OPERATION_ID,
     Answer,
     AnswerKind,
+    ProviderEffect,
     StatusQuery,
     SubmitRequest,
     WebhookEvent,
     answer_from_http_status,
     answer_from_transport_error,
     asend_with_deadline,
+    bounded_object,
     bounded_raw,
     call_budget,
+    listing_failed,
+    listing_range,
     parse_retry_after,
+    payorch_tags_of,
     send_with_deadline,
 )
 
 __all__ = ["DEFAULT_TIMEOUT", "SandboxProvider"]
 
 DEFAULT_TIMEOUT = httpx.Timeout(connect=2.0, read=5.0, write=5.0, pool=2.0)
+_LIST_PAGE = 100  # effects per page of list_effects (the sandbox's maximum)
+MAX_LIST_PAGES = 100  # then list_effects gives up: a narrower window lists the rest
 
 _EFFECT_KINDS = {
     "succeeded": AnswerKind.SUCCEEDED,
@@ -170,6 +177,49 @@ class SandboxProvider:
             # NOT_SENT or AMBIGUOUS: for a read both only mean "unavailable, ask later".
             return answer_from_transport_error(exc)
         return self._classify_query(response, by_reference=bool(query.provider_reference))
+
+    # -- EffectLister ------------------------------------------------------------------------
+
+    def list_effects(self, since: datetime, until: datetime) -> Iterator[ProviderEffect]:
+        """The ledger's visible effects created in ``[since, until]``, a page per request
+        (each under its own deadline), in commit order. ``ProviderListingFailed`` when a page
+        cannot be read or more than ``MAX_LIST_PAGES`` would be needed."""
+        start, end = listing_range(since, until)
+        params = {"created[gte]": str(start), "created[lte]": str(end), "limit": str(_LIST_PAGE)}
+        for _ in range(MAX_LIST_PAGES):
+            data, more = self._list_page(params)
+            for item in data:
+                yield _listed_effect(self._name, item)
+            if not more or not data:
+                return
+            params["starting_after"] = str(data[-1]["id"])
+        raise listing_failed(
+            self._name,
+            Answer(
+                kind=AnswerKind.AMBIGUOUS,
+                code="too_many_pages",
+                message=f"more than {MAX_LIST_PAGES * _LIST_PAGE} effects; narrow the window",
+            ),
+        )
+
+    def _list_page(self, params: Mapping[str, str]) -> tuple[list[dict[str, Any]], bool]:
+        url = f"{self._base_url}/v1/effects?{urlencode(params)}"
+        request = self._clients.sync.build_request(
+            "GET", url, headers=tracing.inject({}), timeout=self._timeout
+        )
+        try:
+            response = self._send(request)
+        except httpx.HTTPError as exc:
+            raise listing_failed(self._name, answer_from_transport_error(exc)) from exc
+        status, body, evidence, shared = _read(response)
+        if shared is not None:
+            raise listing_failed(self._name, shared)
+        data = body.get("data") if body is not None else None
+        if status != 200 or not isinstance(data, list) or not isinstance(body, dict):
+            code = _str_or_none(_error_of(body).get("code")) or f"http_{status}"
+            answer = Answer(kind=AnswerKind.AMBIGUOUS, code=code, **evidence)
+            raise listing_failed(self._name, answer)
+        return data, body.get("has_more") is True
 
     # -- AsyncProvider: the same requests and classification, sent by httpx.AsyncClient --
 
@@ -392,6 +442,45 @@ class SandboxProvider:
                 else None
             ),
         )
+
+
+def _listed_effect(provider: str, item: object) -> ProviderEffect:
+    """One listed ledger entry; ``ProviderListingFailed`` if it is not one."""
+    entry: Mapping[str, Any] = item if isinstance(item, dict) else {}
+    effect_id = _str_or_none(entry.get("id"))
+    status = _str_or_none(entry.get("status"))
+    created = entry.get("created")
+    amount = entry.get("amount")
+    created_at = None
+    if isinstance(created, int) and not isinstance(created, bool):
+        try:
+            created_at = datetime.fromtimestamp(created, tz=UTC)
+        except (OverflowError, OSError, ValueError):
+            created_at = None
+    if effect_id is None or status is None or created_at is None:
+        raise listing_failed(
+            provider,
+            Answer(
+                kind=AnswerKind.AMBIGUOUS,
+                code="unexpected_body",
+                message="a listed effect without an id, a status or a creation time",
+            ),
+        )
+    kind = _EFFECT_KINDS.get(status, AnswerKind.AMBIGUOUS)
+    return ProviderEffect(
+        provider_reference=effect_id,
+        kind=kind,
+        amount=amount if isinstance(amount, int) and not isinstance(amount, bool) else None,
+        currency=_str_or_none(entry.get("currency")),
+        created_at=created_at,
+        tags=payorch_tags_of(entry.get("metadata")),
+        object_type=_str_or_none(entry.get("object")) or "effect",
+        downstream_key=_str_or_none(entry.get("idempotency_key")),
+        code=(_str_or_none(entry.get("decline_code")) or "declined")
+        if kind is AnswerKind.DECLINED
+        else None,
+        raw=bounded_object(entry),
+    )
 
 
 # The sandbox's own refusals, all decided before it commits anything.

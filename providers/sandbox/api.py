@@ -13,6 +13,9 @@ Decisions worth knowing:
   retry with the same key replays the effect. They apply to replays too; faults that shape
   the effect (``decline``, ``pending``) do not, as the stored answer wins.
 - ``rate_limit`` and ``error_500_before`` act before the idempotency store: nothing stored.
+- ``GET /v1/effects`` pages like Stripe's lists when asked to (``created[gte]``,
+  ``created[lte]``, ``limit``, ``starting_after``; ``has_more``), in commit order: what
+  ``payorch effects unexplained`` reads. Without those parameters it lists everything.
 - GETs honour the ``X-Sandbox-Fault`` header too (``decline`` and ``pending`` are ignored
   there); the queue and the rates only apply to POST /v1/operations.
 """
@@ -42,6 +45,8 @@ from payorch.providers.sandbox.webhooks import Outbox
 __all__ = ["Acquirer", "CommitGate", "Reply"]
 
 MAX_KEY_LENGTH = 255
+MAX_PAGE = 100  # effects per page of a paged listing, as Stripe's lists
+_PAGING = frozenset({"created[gte]", "created[lte]", "limit", "starting_after"})
 DECLINED_PAYMENT_METHOD = "pm_card_declined"
 GATE_LIMIT = 30.0  # seconds a held request waits at most for CommitGate.release()
 _OPERATION = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")
@@ -190,6 +195,8 @@ class Acquirer:
     def _get(self, path: str, query: Mapping[str, list[str]]) -> Reply:
         if path == "/v1/ledger":
             return _json(200, {"data": self.ledger.entries()})
+        if path == "/v1/effects" and _PAGING.intersection(query):
+            return self._list_page(query)
         if path == "/v1/effects":
             # No filter lists every visible effect; each filter narrows (AND).
             data = self.ledger.search(
@@ -204,6 +211,41 @@ class Acquirer:
                 return error_reply(404, "invalid_request_error", "resource_missing")
             return _json(200, effect)
         return error_reply(404, "invalid_request_error", "unknown_route")
+
+    def _list_page(self, query: Mapping[str, list[str]]) -> Reply:
+        """``/v1/effects`` paged as Stripe's lists are: ``created[gte]``, ``created[lte]``
+        (Unix seconds), ``limit`` (1-100, default 10) and ``starting_after`` (an effect id);
+        the answer says ``has_more``."""
+        values: dict[str, int] = {}
+        for name, low, high in (
+            ("created[gte]", 0, None),
+            ("created[lte]", 0, None),
+            ("limit", 1, MAX_PAGE),
+        ):
+            given = query.get(name)
+            if given is None:
+                continue
+            try:
+                value = int(given[-1])
+            except ValueError:
+                value = -1
+            if value < low or (high is not None and value > high):
+                return error_reply(400, "invalid_request_error", "parameter_invalid", param=name)
+            values[name] = value
+        after = query.get("starting_after")
+        try:
+            data, more = self.ledger.listing(
+                lag=self._lag,
+                created_gte=values.get("created[gte]"),
+                created_lte=values.get("created[lte]"),
+                limit=values.get("limit", 10),
+                starting_after=after[-1] if after else None,
+            )
+        except KeyError:
+            return error_reply(
+                400, "invalid_request_error", "resource_missing", param="starting_after"
+            )
+        return _json(200, {"object": "list", "data": data, "has_more": more})
 
     # -- POST /v1/operations/{operation} ---------------------------------------------------
 

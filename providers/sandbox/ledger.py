@@ -195,6 +195,37 @@ class Ledger:
             entries = sorted((self._entries[i] for i in found or ()), key=lambda e: e.seq)
             return [copy.deepcopy(e.data) for e in entries if e.committed_at <= horizon]
 
+    def listing(
+        self,
+        *,
+        lag: float,
+        created_gte: int | None = None,
+        created_lte: int | None = None,
+        limit: int = 100,
+        starting_after: str | None = None,
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """One page of visible effects, in commit order, whose ``created`` lies in the range:
+        at most ``limit`` after the effect ``starting_after``, and whether more follow
+        (Stripe's list pagination). KeyError: no effect ``starting_after``."""
+        self.settle_due()
+        horizon = self._clock.monotonic() - lag
+        with self._lock:
+            after = self._entries[starting_after] if starting_after is not None else None
+            found: list[dict[str, Any]] = []
+            for entry in self._entries.values():
+                if after is not None and entry.seq <= after.seq:
+                    continue
+                created = entry.data["created"]
+                if entry.committed_at > horizon or (
+                    (created_gte is not None and created < created_gte)
+                    or (created_lte is not None and created > created_lte)
+                ):
+                    continue
+                if len(found) == limit:
+                    return found, True
+                found.append(copy.deepcopy(entry.data))
+            return found, False
+
     def get(self, effect_id: str, *, lag: float) -> dict[str, Any] | None:
         """One effect if it is at least ``lag`` seconds old."""
         self.settle_due()

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
-from datetime import timedelta
+from collections.abc import Iterator, Mapping
+from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Self
 
@@ -32,6 +32,7 @@ from payorch.clients import HttpClients
 from payorch.errors import ConfigurationError
 from payorch.provider import (
     Answer,
+    ProviderEffect,
     StatusQuery,
     SubmitRequest,
     WebhookEvent,
@@ -43,6 +44,7 @@ from payorch.provider import (
 
 from .classify import Reply
 from .flows import Call, Flow, query_flow, submit_flow
+from .listing import list_effects
 from .webhooks import parse_stripe_webhook
 
 __all__ = [
@@ -170,6 +172,12 @@ class StripeProvider:
         5xx come back as they are.
         """
         return self._run(query_flow(query, window=self._idempotency_window))
+
+    def list_effects(self, since: datetime, until: datetime) -> Iterator[ProviderEffect]:
+        """PaymentIntents and Refunds created in ``[since, until]`` that carry payorch's
+        metadata (:mod:`.listing`): an :class:`payorch.provider.EffectLister`. Each page is
+        one call under its own deadline; failures raise ``ProviderListingFailed``."""
+        return list_effects(lambda call: self._call(call, self._deadline()), since, until)
 
     async def asubmit(self, request: SubmitRequest) -> Answer:
         """:meth:`submit` over ``httpx.AsyncClient`` (the same flow, driven async)."""

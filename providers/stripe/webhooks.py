@@ -19,14 +19,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from payorch.core import operation_id_from_downstream_key
+from payorch.core import downstream_key as namespace_downstream_key
+from payorch.core import is_namespace_key, operation_id_from_downstream_key
 from payorch.errors import WebhookMalformed, WebhookSignatureInvalid
-from payorch.provider import TAG_LEGACY_OPERATION_ID, AnswerKind, WebhookEvent
+from payorch.provider import TAG_LEGACY_OPERATION_ID, TAG_REF, AnswerKind, WebhookEvent
 
 from .classify import AUTHORIZATION_RELEASED, REFUND_KINDS, authorization_released, decline_code
 
@@ -43,6 +45,7 @@ _PAYMENT_EVENTS: Mapping[str, AnswerKind] = {
     "payment_intent.processing": AnswerKind.PENDING,
 }
 # Their data.object is a Refund; the outcome is its status.
+_REF = re.compile(r"[0-9a-f]{32}")  # payorch.core.namespace_ref's form
 _REFUND_EVENTS = frozenset(
     {"refund.created", "refund.updated", "refund.failed", "charge.refund.updated"}
 )
@@ -160,7 +163,15 @@ def parse_stripe_webhook(
     metadata = obj.get("metadata")
     downstream_key = _idempotency_key(event.get("request"))
     # The operation whose call caused the event, else the one that created the object (its
-    # metadata: a capture's intent carries its payment.create's id).
+    # metadata: a capture's intent carries its payment.create's tags). An event nobody's
+    # call of ours caused (a cancel in the dashboard, an expiry, a late failure) names the
+    # creating operation by the namespace ref it was tagged with.
+    ours = downstream_key is not None and (
+        is_namespace_key(downstream_key) or operation_id_from_downstream_key(downstream_key)
+    )
+    ref = _text(metadata.get(TAG_REF)) if isinstance(metadata, dict) else None
+    if not ours and ref is not None and _REF.fullmatch(ref):
+        downstream_key = namespace_downstream_key(ref)
     operation_id = operation_id_from_downstream_key(downstream_key) if downstream_key else None
     if operation_id is None and isinstance(metadata, dict):
         operation_id = _text(metadata.get(TAG_LEGACY_OPERATION_ID))

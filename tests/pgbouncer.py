@@ -1,0 +1,164 @@
+"""A throwaway PgBouncer in transaction pooling mode, in front of the test run's PostgreSQL.
+
+Started from the installed binary (Debian's ``pgbouncer``), on 127.0.0.1 and a free port,
+with its ini and user list in a temporary directory. As root it runs as the ``postgres``
+(or ``nobody``) user, as the test cluster does: PgBouncer refuses to run as root.
+
+Its pools are small and handed out round-robin, so consecutive transactions of one client
+connection land on different server connections: whatever relies on session state (a
+prepared statement, a ``SET``, a LISTEN) breaks here rather than by luck in production.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import sqlalchemy as sa
+from pgcluster import _demote, _free_port
+
+__all__ = ["PgBouncer", "PgBouncerUnavailable"]
+
+_READY_WITHIN = 30.0  # seconds for the port to accept connections
+
+
+class PgBouncerUnavailable(Exception):
+    pass
+
+
+def _binary() -> str:
+    for found in (shutil.which("pgbouncer"), "/usr/sbin/pgbouncer"):
+        if found and os.access(found, os.X_OK):
+            return found
+    raise PgBouncerUnavailable("no pgbouncer binary (Debian package `pgbouncer`)")
+
+
+def _quote(value: str) -> str:
+    """A user list entry's quoting."""
+    return '"' + value.replace('"', '""') + '"'
+
+
+def _conninfo(value: str) -> str:
+    """A libpq-style connection string value, quoted."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+class PgBouncer:
+    """``pool_mode = transaction`` in front of the server at ``server_url``."""
+
+    def __init__(self, server_url: str, *, pool_size: int = 4) -> None:
+        self.binary = _binary()
+        self.server = sa.make_url(server_url)
+        self.pool_size = pool_size
+        self.root = Path(tempfile.mkdtemp(prefix="payorch-pgbouncer-"))
+        self.port = _free_port()
+        self.preexec, uid, gid = _demote()
+        if uid is not None and gid is not None:
+            os.chown(self.root, uid, gid)
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def url(self, db_url: str) -> str:
+        """``db_url`` (a database on the server) as reached through the pooler."""
+        parsed = sa.make_url(db_url).set(host="127.0.0.1", port=self.port)
+        return parsed.render_as_string(hide_password=False)
+
+    def warm(self, db_url: str) -> None:
+        """Open every server connection of ``db_url``'s pool now (transactions held at
+        once), so that from here on consecutive transactions go round the pool."""
+        import psycopg
+
+        dsn = sa.make_url(self.url(db_url)).set(drivername="postgresql")
+        conns = [
+            psycopg.connect(dsn.render_as_string(hide_password=False), connect_timeout=10)
+            for _ in range(self.pool_size)
+        ]
+        try:
+            for conn in conns:
+                conn.execute("SELECT 1")  # a transaction left open: it holds its server
+        finally:
+            for conn in conns:
+                conn.close()
+
+    @property
+    def log(self) -> str:
+        with contextlib.suppress(OSError):
+            return (self.root / "pgbouncer.log").read_text(errors="replace")
+        return ""
+
+    def start(self) -> None:
+        user = self.server.username or "postgres"
+        # Every database name maps to the same one on the server: tests make their own.
+        target = f"host={self.server.host or '127.0.0.1'} port={self.server.port or 5432}"
+        target += f" user={_conninfo(user)}"
+        if self.server.password:
+            target += f" password={_conninfo(self.server.password)}"
+        ini = f"""\
+[databases]
+* = {target}
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {self.port}
+unix_socket_dir =
+auth_type = trust
+auth_file = {self.root / "userlist.txt"}
+logfile = {self.root / "pgbouncer.log"}
+pidfile = {self.root / "pgbouncer.pid"}
+pool_mode = transaction
+default_pool_size = {self.pool_size}
+min_pool_size = {self.pool_size}
+reserve_pool_size = 0
+server_round_robin = 1
+max_client_conn = 1000
+; A pool exhausted by a stuck transaction fails its queued clients instead of hanging.
+query_wait_timeout = 60
+server_login_retry = 1
+"""
+        (self.root / "pgbouncer.ini").write_text(ini)
+        (self.root / "userlist.txt").write_text(f'{_quote(user)} ""\n')
+        for name in ("pgbouncer.ini", "userlist.txt"):
+            (self.root / name).chmod(0o644)
+        self._proc = subprocess.Popen(
+            [self.binary, str(self.root / "pgbouncer.ini")],
+            preexec_fn=self.preexec,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=self.root,
+        )
+        self._await_port()
+
+    def _await_port(self) -> None:
+        deadline = time.monotonic() + _READY_WITHIN
+        while time.monotonic() < deadline:
+            assert self._proc is not None
+            if self._proc.poll() is not None:
+                raise PgBouncerUnavailable(f"pgbouncer exited: {self.log.strip()[-2000:]}")
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), timeout=1),
+            ):
+                return
+            # The port is the signal; waiting on the process only paces the polling (and
+            # notices an early exit at once).
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=0.05)
+        self.stop()
+        raise PgBouncerUnavailable(f"pgbouncer did not listen within {_READY_WITHIN} s")
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()  # SIGTERM: immediate shutdown, clients cut
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        shutil.rmtree(self.root, ignore_errors=True)

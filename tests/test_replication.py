@@ -22,14 +22,15 @@ from pathlib import Path
 import httpx
 import pytest
 import sqlalchemy as sa
-from conftest import FAST_TIMEOUT, _pg_unavailable
+from conftest import FAST_TIMEOUT, LoopThread, _pg_unavailable
 from pgcluster import ClusterUnavailable
 from pgreplica import ReplicaPair, poll
 
 from payorch import metrics, migrate
+from payorch.async_store import AsyncStore
 from payorch.core import State
 from payorch.daemon import ReconcilerDaemon
-from payorch.db import create_engine, run_sql
+from payorch.db import create_async_engine, create_engine, run_sql
 from payorch.errors import (
     CommitUncertain,
     ConfigurationError,
@@ -354,12 +355,17 @@ def test_a_standby_url_is_a_one_line_error_and_a_multi_host_url_finds_the_primar
 
 
 def test_strict_claims_need_a_streaming_synchronous_standby(
-    sync_pair: ReplicaPair, sandbox: SandboxServer, provider: SandboxProvider
+    sync_pair: ReplicaPair,
+    sandbox: SandboxServer,
+    provider: SandboxProvider,
+    loop_thread: LoopThread,
 ) -> None:
     strict = {"PAYORCH_REQUIRE_SYNC_STANDBY": "1"}
     assert health(sync_pair.primary_url, **strict)["problem"] is None
     store = strict_store(sync_pair.primary_url)  # starts: sync
+    astore = AsyncStore(create_async_engine(sync_pair.primary_url), require_sync_standby=True)
     try:
+        assert loop_thread.run(astore.check_replication()).mode == "sync"
         ex = executor_on(store, provider)
         first = ex.execute(
             tenant_id="shop", operation="payment.create", idempotency_key="a", request=payment(2)
@@ -385,6 +391,8 @@ def test_strict_claims_need_a_streaming_synchronous_standby(
                 assert done.returncode == 1 and "0 of 1 synchronous standbys" in done.stderr
                 with pytest.raises(ConfigurationError, match="0 of 1 synchronous standbys"):
                     strict_store(sync_pair.primary_url)
+                with pytest.raises(ConfigurationError, match="0 of 1 synchronous standbys"):
+                    loop_thread.run(astore.check_replication())  # the async API's start-up
             finally:
                 sync_pair.restart_standby()
                 sync_pair.wait_streaming()
@@ -394,6 +402,7 @@ def test_strict_claims_need_a_streaming_synchronous_standby(
         assert again.state is State.SUCCEEDED
     finally:
         store.close()
+        loop_thread.run(astore.close())
     assert effects_by_amount(sandbox) == Counter({1002: 1, 1003: 1})
 
 

@@ -28,7 +28,7 @@ import sqlalchemy as sa
 from conftest import RecordingSleep
 from pgproxy import LoopbackProxy
 
-from payorch import waiting
+from payorch import sessions, waiting
 from payorch.core import State
 from payorch.executor import Executor
 from payorch.operations import default_registry
@@ -117,6 +117,8 @@ class Statements:
         self.connect_args: dict[str, Any] = {"cursor_factory": Recording}
 
     def _record(self, statement: str) -> None:
+        if statement == sessions.ROLE_SQL:
+            return  # once per new connection (is it a read-write primary?), like its start-up
         with self._lock:
             if self._recording:
                 self.sent.append((threading.get_ident(), statement))

@@ -312,3 +312,28 @@ def test_a_multi_host_url_becomes_one_libpq_conninfo() -> None:
     assert parsed["host"] == "10.0.0.1,10.0.0.2" and parsed["port"] == "5433,5434"
     assert parsed["target_session_attrs"] == "read-write"
     assert (parsed["user"], parsed["password"], parsed["dbname"]) == ("app", "s3cret", "pay")
+
+
+def test_the_session_check_is_one_statement_per_connection_not_per_statement(
+    postgres_url: str,
+) -> None:
+    import psycopg
+
+    sent: list[str] = []
+
+    class Recording(psycopg.Cursor[Any]):
+        def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+            sent.append(str(query))
+            return super().execute(query, params, **kwargs)
+
+    engine = db.create_engine(
+        postgres_url, pool_size=1, max_overflow=0, connect_args={"cursor_factory": Recording}
+    )
+    try:
+        for _ in range(5):
+            db.run_sql(engine, "SELECT 1", {}, write=False)
+            db.run_in_transaction(engine, lambda c: c.exec_driver_sql("SELECT 2"), write=False)
+    finally:
+        engine.dispose()
+    assert sent.count(sessions.ROLE_SQL) == 1
+    assert sent.count("SELECT 1") == 5

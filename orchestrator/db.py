@@ -9,7 +9,9 @@ On PostgreSQL the hot writes are single statements run in autocommit
 COMMIT, so a failure without the server's verdict is uncertain in exactly the same way.
 No pre-ping either: a pooled connection is checked locally at checkout (a closed socket is
 seen without a round trip), and a connection that breaks inside a transaction before its
-COMMIT is retried once on a fresh one.
+COMMIT is retried once on a fresh one. Each connection's first use checks that it reached a
+read-write primary, and a commit whose synchronous-standby wait was cancelled is uncertain
+too (:mod:`payorch.sessions`).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from payorch.errors import (
 )
 from payorch.executor import Executor, RetryPolicy
 from payorch.http import SAME_KEY, http_answer
+from payorch.outcome import Outcome
 from payorch.provider import SubmitRequest, provider_tags
 from payorch.providers.sandbox import SandboxServer
 from payorch.reconciler import Reconciler
@@ -248,40 +249,52 @@ def test_submit_request_tags_are_what_the_sandbox_receives(
     assert {k: v for k, v in effect["metadata"].items() if k.startswith("payorch_")} == expected
 
 
-def test_the_migration_reopens_not_sent_failures_stored_before(tmp_path: Any) -> None:
+def test_the_migration_unquotes_stored_keys_and_keeps_old_failures_closed(tmp_path: Any) -> None:
     url = f"sqlite:///{tmp_path / 'old.db'}"
     migrate.upgrade(url, "payorch_0002")
     engine = sa.create_engine(url)
-    row = {
+    base = {
         "tenant_id": "shop",
-        "id": "018f0000-0000-7000-8000-000000000001",
         "operation": "payment.create",
-        "idempotency_key": "k-old",
         "fingerprint": "f" * 64,
-        "state": "failed_final",
+        "state": "succeeded",
         "provider": "sandbox",
-        "downstream_key": "payorch:018f0000-0000-7000-8000-000000000001:submit",
-        "response": '{"status": "failed", "http_status": 503}',
-        "error_code": "provider_unavailable",
         "retention_seconds": 86400,
-        "possibly_sent": False,
-        "attempts": 4,
+        "possibly_sent": True,
+        "attempts": 1,
         "checks": 0,
         "needs_attention": False,
-        "version": 3,
+        "version": 2,
         "created_at": "2026-11-30 10:00:00.000000",
         "updated_at": "2026-11-30 10:00:01.000000",
-        "completed_at": "2026-11-30 10:00:01.000000",
-        "retain_until": "2026-12-01 10:00:01.000000",
     }
-    declined = {
-        **row,
-        "id": "018f0000-0000-7000-8000-000000000002",
-        "idempotency_key": "k-declined",
-        "error_code": "card_declined",
-    }
+
+    def row(n: int, key: str, **values: Any) -> dict[str, Any]:
+        op_id = f"018f0000-0000-7000-8000-00000000000{n}"
+        return {
+            **base,
+            "id": op_id,
+            "idempotency_key": key,
+            "downstream_key": f"payorch:{op_id}:submit",
+            **values,
+        }
+
+    rows = [
+        row(1, '"abc-19"'),  # stored quoted by a service that passed the raw header
+        row(2, '"dup"'),  # both forms already hold an operation: the old duplicate
+        row(3, "dup"),
+        row(4, '"not-sf'),  # a key that merely begins with a quote
+        row(
+            5,
+            "k-old",
+            state="failed_final",
+            possibly_sent=False,
+            error_code="provider_unavailable",
+            response='{"status": "failed", "http_status": 503, "code": "provider_unavailable"}',
+        ),
+    ]
     with engine.begin() as conn:
-        for values in (row, declined):
+        for values in rows:
             cols = ", ".join(values)
             marks = ", ".join(f":{k}" for k in values)
             conn.execute(
@@ -291,9 +304,16 @@ def test_the_migration_reopens_not_sent_failures_stored_before(tmp_path: Any) ->
     migrate.upgrade(url)
     store = Store.from_url(url)
     try:
-        reopened = store.get("shop", row["id"])
-        assert reopened.released and reopened.version == 4 and reopened.response is None
-        assert [e.kind for e in store.events("shop", row["id"])] == ["reopened"]
-        assert store.get("shop", declined["id"]).state is State.FAILED_FINAL  # a decline stays
+        first = store.get("shop", rows[0]["id"])
+        assert first.idempotency_key == "abc-19"
+        assert first.downstream_key == rows[0]["downstream_key"]  # what the provider saw
+        assert store.get_by_namespace("shop", "payment.create", '"abc-19"').id == first.id
+        assert store.get("shop", rows[1]["id"]).needs_attention
+        assert store.get("shop", rows[1]["id"]).idempotency_key == '"dup"'
+        assert store.get("shop", rows[3]["id"]).idempotency_key == '"not-sf'
+        old = store.get("shop", rows[4]["id"])
+        assert old.state is State.FAILED_FINAL  # stays closed: its client was told new_key
+        answer = http_answer(Outcome.from_record(old, replayed=True))
+        assert answer.status == 402 and "retry" not in answer.body
     finally:
         store.close()

@@ -27,12 +27,15 @@ from payorch.core import (
     operation_id_from_downstream_key,
 )
 from payorch.errors import (
+    ConfigurationError,
     IdempotencyKeyReused,
     InvalidIdempotencyKey,
     ProviderUnavailable,
 )
 from payorch.executor import Executor, RetryPolicy
+from payorch.flights import Flights
 from payorch.http import SAME_KEY, http_answer
+from payorch.operations import default_registry
 from payorch.outcome import Outcome
 from payorch.provider import SubmitRequest, provider_tags
 from payorch.providers.sandbox import SandboxServer
@@ -317,3 +320,109 @@ def test_the_migration_unquotes_stored_keys_and_keeps_old_failures_closed(tmp_pa
         assert answer.status == 402 and "retry" not in answer.body
     finally:
         store.close()
+
+
+# -- taking a released operation over ---------------------------------------------------------
+
+
+def _released(store: Store, new: NewOperation) -> NewOperation:
+    claim = store.claim(new, owner="first", lease=timedelta(seconds=30), possibly_sent=True)
+    store.transition(
+        claim.operation,
+        State.IN_PROGRESS,
+        kind="not_sent",
+        actor="first",
+        possibly_sent=False,
+        response={"status": "not_sent", "code": "rate_limited", "retry_after": 2.0},
+    )
+    return new
+
+
+def _new(**values: Any) -> NewOperation:
+    fields: dict[str, Any] = {
+        "tenant_id": "shop",
+        "operation": "payment.create",
+        "idempotency_key": "order-over",
+        "fingerprint": "f" * 64,
+        "provider": "sandbox",
+        "request": {"amount": 5, "currency": "EUR", "description": "first"},
+        **values,
+    }
+    return NewOperation(**fields)
+
+
+def test_a_released_operation_is_not_taken_over_for_another_provider(store: Store) -> None:
+    _released(store, _new())
+    with pytest.raises(IdempotencyKeyReused) as caught:
+        store.claim(_new(provider="other"), owner="second", lease=timedelta(seconds=30))
+    assert "sandbox" in caught.value.message
+    record = store.get_by_namespace("shop", "payment.create", "order-over")
+    assert record.released and record.provider == "sandbox"
+
+
+def test_a_take_over_stores_the_request_it_sends(store: Store) -> None:
+    _released(store, _new())
+    later = _new(request={"amount": 5, "currency": "EUR", "description": "second"})
+    taken = store.claim(later, owner="second", lease=timedelta(seconds=30), possibly_sent=True)
+    assert taken.created and taken.operation.lease_owner == "second"
+    assert taken.operation.request == later.request
+    assert taken.operation.possibly_sent and taken.operation.attempts == 2
+
+
+def test_joiners_of_a_leader_that_found_the_provider_unavailable_get_its_answer(
+    executor: Executor,
+) -> None:
+    flights = Flights()
+    namespace = ("shop", "payment.create", "k")
+    flight, leading = flights.lead_or_join(namespace, "f" * 64, may_join=True)
+    joined, joining = flights.lead_or_join(namespace, "f" * 64, may_join=True)
+    assert leading and not joining and joined is flight
+    said = ProviderUnavailable("nothing sent", operation_id="op-1", retry_after=7.0, code="x")
+    flights.land(namespace, flight, None, said)
+    sync = getattr(executor, "_sync", executor)  # the async driver's sync core
+    with pytest.raises(ProviderUnavailable) as caught:
+        sync._join(flight, timedelta(seconds=5))
+    assert caught.value is not said  # a copy per joiner
+    assert (caught.value.operation_id, caught.value.retry_after, caught.value.code) == (
+        "op-1",
+        7.0,
+        "x",
+    )
+
+
+# -- an installation's key scope --------------------------------------------------------------
+
+
+def test_a_key_scope_sets_installations_apart_and_comes_from_the_environment(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain = namespace_ref("shop", "payment.create", "k")
+    assert namespace_ref("shop", "payment.create", "k", "eu-1") != plain
+    assert namespace_ref("shop", "payment.create", "k", "eu-1") != namespace_ref(
+        "shop", "payment.create", "k", "us-1"
+    )
+    monkeypatch.setenv("PAYORCH_KEY_SCOPE", "eu-1")
+    ex = Executor(store=store, providers=[], registry=default_registry("sandbox"))
+    assert ex.key_scope == "eu-1"
+    assert Executor(store=store, providers=[], key_scope="").key_scope == ""
+    monkeypatch.setenv("PAYORCH_KEY_SCOPE", "not ok")
+    with pytest.raises(ConfigurationError):
+        Executor(store=store, providers=[])
+
+
+def test_scoped_executors_send_scoped_keys(
+    store: Store, sandbox: SandboxServer, sandbox_provider: Any
+) -> None:
+    ex = Executor(
+        store=store,
+        providers=[sandbox_provider],
+        registry=default_registry("sandbox"),
+        key_scope="eu-1",
+    )
+    outcome = run(ex, "order-scoped")
+    record = store.get("shop", outcome.operation_id)
+    ref = namespace_ref("shop", "payment.create", "order-scoped", "eu-1")
+    assert record.downstream_key == downstream_key(ref)
+    (effect,) = sandbox.ledger()
+    assert effect["idempotency_key"] == record.downstream_key
+    assert effect["metadata"]["payorch_ref"] == ref

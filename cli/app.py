@@ -18,6 +18,7 @@ from typer.core import TyperGroup
 from payorch.errors import PayorchError
 
 from .effects import effects_app
+from .health import health_cmd
 from .keys import keys_app
 from .ops import ops_app
 from .reconcile import reconcile_app
@@ -93,7 +94,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
+db_app = typer.Typer(help="Database schema (Alembic migrations) and health.", no_args_is_help=True)
 
 
 class LogFormat(enum.StrEnum):
@@ -169,6 +170,9 @@ def db_current(database_url_: DatabaseUrl = None) -> None:
     head = migrate.head_revision()
     state = "up to date" if current == head else "needs `payorch db upgrade`"
     out().print(f"current: {current or 'none'}  head: {head}  ({state})")
+
+
+db_app.command("health")(health_cmd)
 
 
 DemoDatabaseUrl = Annotated[

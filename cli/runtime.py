@@ -79,9 +79,10 @@ def database_url(value: str | None) -> str:
 
 
 @contextmanager
-def open_store(url: str | None) -> Iterator[Store]:
-    """A store on an existing database: a missing SQLite file is refused, not created."""
-    from payorch.db import normalise_url
+def open_store(url: str | None, *, require_sync_standby: bool | None = None) -> Iterator[Store]:
+    """A store on an existing database: a missing SQLite file is refused, not created.
+    ``require_sync_standby`` defaults to ``PAYORCH_REQUIRE_SYNC_STANDBY``."""
+    from payorch.db import create_engine, normalise_url
     from payorch.store import Store
 
     resolved = database_url(url)
@@ -92,7 +93,7 @@ def open_store(url: str | None) -> Iterator[Store]:
             raise DatabaseUnavailable(
                 f"no database at {path} (run `payorch db upgrade` or pass --database-url)"
             )
-    store = Store.from_url(parsed)
+    store = Store(create_engine(parsed), require_sync_standby=require_sync_standby)
     try:
         yield store
     finally:

@@ -17,6 +17,7 @@ from .core import State
 from .db import create_async_engine
 from .errors import CorruptRecord
 from .records import ClaimResult, EventRecord, NewOperation, OperationRecord
+from .replication import Status
 from .store import QUARANTINE_HOLD, Store
 
 if TYPE_CHECKING:
@@ -33,15 +34,21 @@ class AsyncStore:
     coroutines. ``sync`` is the store the async executor and handler drive under the bridge.
     """
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, *, require_sync_standby: bool | None = None) -> None:
         self.engine = engine
-        self.sync = Store(engine.sync_engine)
+        self.sync = Store(engine.sync_engine, require_sync_standby=require_sync_standby)
         self.dialect = self.sync.dialect
 
     @classmethod
     def from_url(cls, url: str | URL, **engine_kwargs: Any) -> AsyncStore:
         """An async engine configured as :func:`payorch.db.create_engine` configures one."""
         return cls(create_async_engine(url, **engine_kwargs))
+
+    async def check_replication(self) -> Status:
+        """The start-up check of :meth:`payorch.replication.Guard.check`, awaited: the
+        replication mode, logged; refused (``ConfigurationError``) when the store requires
+        a synchronous standby and none streams. (A sync store checks when it is built.)"""
+        return await run_bridged(self.sync.replication.check)
 
     @property
     def is_postgres(self) -> bool:

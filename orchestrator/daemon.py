@@ -14,7 +14,10 @@ Opt-in, a second job (same defaults) looks for provider effects no operation exp
 With a monitoring address the daemon also serves, on a small threaded HTTP server:
 ``/metrics`` (Prometheus text format; 404 without the ``payorch[metrics]`` extra),
 ``/healthz`` (200 while the process runs) and ``/readyz`` (200 when the database answers
-and a pass finished within ``3 x interval``, else 503 with the reason on one line).
+as a read-write primary, a pass finished within ``3 x interval`` and, if the store requires
+a synchronous standby, one streams; else 503 with the reason on one line). Either way the
+body names the replication mode (:mod:`payorch.replication`). At start-up the daemon logs
+that mode (WARNING unless synchronous) and, in strict mode, refuses to start without it.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from . import metrics
 from .errors import ConfigurationError, StorageError
-from .probes import OneAtATime, ping
+from .probes import OneAtATime, replication
 from .reconciler import Reconciler, ReconcileReport
+from .replication import ENV_STRICT, Status
 
 if TYPE_CHECKING:
     from .unexplained import UnexplainedWatch
@@ -112,15 +116,27 @@ class ReconcilerDaemon:
             log.exception("look for unexplained effects failed")
 
     def readiness(self) -> str | None:
-        """Why the daemon is not ready (``None``: ready): the database must answer and a
-        pass must have finished within ``STALE_PASSES`` intervals (since start-up, at first)."""
+        """Why the daemon is not ready (``None``: ready): the database must answer as a
+        read-write primary (with a synchronous standby streaming, in strict mode) and a pass
+        must have finished within ``STALE_PASSES`` intervals (since start-up, at first)."""
+        return self._readiness()[0]
+
+    def _readiness(self) -> tuple[str | None, Status | None]:
         since = time.monotonic() - (self.last_pass_at or self.started_at)
         limit = STALE_PASSES * self.interval.total_seconds()
-        if self.monitor is not None and not self.monitor.database_answers():
-            return "database unreachable"
+        status = None
+        if self.monitor is not None:
+            status = self.monitor.replication()
+            if status is None:
+                return "database unreachable", None
+            if status.mode == "read_only":
+                return "the database is a standby or a read-only session", status
+            reason = status.refusal() if self.reconciler.store.replication.strict else None
+            if reason is not None:
+                return f"{ENV_STRICT} is set and {reason}", status
         if since > limit:
-            return f"no reconcile pass finished for {since:.1f}s (limit {limit:g}s)"
-        return None
+            return f"no reconcile pass finished for {since:.1f}s (limit {limit:g}s)", status
+        return None, status
 
     def start(self, on_start: Callable[[], None] | None = None) -> None:
         """Bind the monitor (if any), call ``on_start``, then schedule the passes."""
@@ -130,6 +146,8 @@ class ReconcilerDaemon:
             self.monitor.start()
         if on_start is not None:
             on_start()
+        # The replication mode, logged; in strict mode no start without a synchronous standby.
+        self.reconciler.store.replication.check()
         self.started_at = time.monotonic()
         self._scheduler.add_job(
             self._pass,
@@ -228,7 +246,8 @@ class MonitorServer:
         self.daemon = daemon
         store = daemon.reconciler.store
         metrics.watch(store, timeout=timeout)
-        self._ping = OneAtATime(lambda: ping(store), timeout=timeout)
+        # One round trip: the database answers, and how it is replicated.
+        self._replication = OneAtATime(lambda: replication(store), timeout=timeout)
         host, port = address
         try:
             server = _Server6 if ":" in host else _Server
@@ -254,7 +273,11 @@ class MonitorServer:
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def database_answers(self) -> bool:
-        return self._ping() is True
+        return self._replication() is not None
+
+    def replication(self) -> Status | None:
+        """The replication status (``read_only`` for a standby); None: no answer in time."""
+        return self._replication()
 
     def start(self) -> None:
         self._thread.start()
@@ -280,11 +303,12 @@ def _handler(monitor: MonitorServer) -> type[BaseHTTPRequestHandler]:
             elif path == "/healthz":
                 self._reply(200, b"ok\n")
             elif path == "/readyz":
-                problem = monitor.daemon.readiness()
+                problem, status = monitor.daemon._readiness()
+                mode = f"; replication {status.describe()}" if status is not None else ""
                 if problem is None:
-                    self._reply(200, b"ready\n")
+                    self._reply(200, f"ready{mode}\n".encode())
                 else:
-                    self._reply(503, f"not ready: {problem}\n".encode())
+                    self._reply(503, f"not ready: {problem}{mode}\n".encode())
             else:
                 self._reply(404, b"not found: /metrics, /healthz, /readyz\n")
 

@@ -28,6 +28,7 @@ import sqlalchemy as sa
 from sqlalchemy import event, exc
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 
+from . import sessions
 from .bridge import pause
 from .errors import (
     CommitUncertain,
@@ -206,6 +207,8 @@ def _forget_connections(engine: Engine) -> None:
 
 def _configure_postgres(engine: Engine) -> None:
     raw_path = _runs_on_driver(engine)
+    # The mode SQLAlchemy gives a fresh connection of this engine (its isolation_level).
+    natural = getattr(engine.dialect, "_on_connect_isolation_level", None) == "AUTOCOMMIT"
 
     @event.listens_for(engine, "checkout")
     def _on_checkout(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
@@ -213,11 +216,12 @@ def _configure_postgres(engine: Engine) -> None:
         if not _pg_alive(dbapi_conn):
             raise exc.DisconnectionError("pooled PostgreSQL connection found closed")
         # run_sql leaves its connections in autocommit, the mode its statements need, so
-        # the hot path switches no mode per statement; every other user gets the driver's
-        # transactions back, as SQLAlchemy expects them.
-        if raw_path and dbapi_conn.autocommit and not getattr(_RAW, "checkout", False):
+        # the hot path switches no mode per statement; every other user gets the mode
+        # SQLAlchemy expects back (the driver's transactions, unless the engine's own
+        # isolation_level is AUTOCOMMIT).
+        if raw_path and dbapi_conn.autocommit != natural and not getattr(_RAW, "checkout", False):
             try:
-                dbapi_conn.autocommit = False
+                dbapi_conn.autocommit = natural
             except Exception as err:  # psycopg.Error: closed or broken meanwhile
                 raise exc.DisconnectionError(f"pooled PostgreSQL connection broke: {err}") from err
 
@@ -303,6 +307,9 @@ def _missing_schema(err: exc.SQLAlchemyError) -> bool:
 def map_db_error(err: exc.SQLAlchemyError) -> StorageError:
     if _missing_schema(err):
         return StorageError("the database has no payorch schema: run `payorch db upgrade`")
+    orig = getattr(err, "orig", None)
+    if getattr(orig, "sqlstate", None) == "25006":  # read_only_sql_transaction
+        return sessions.read_only_error(orig or err)
     if isinstance(err, exc.DBAPIError) and err.connection_invalidated:
         return DatabaseUnavailable(f"database connection lost: {err.orig}")
     if isinstance(err, exc.OperationalError):
@@ -379,9 +386,12 @@ def run_in_transaction(engine: Engine, fn: Callable[[Connection], T], *, write: 
             with engine.connect() as conn:
                 conn.execution_options(**{_WRITE_OPTION: write})
                 with conn.begin() as txn:
+                    watch = sessions.session(conn)
                     result = fn(conn)
                     committing = True
                     txn.commit()
+                if write:
+                    sessions.after_commit(watch)
                 return result
         except exc.SQLAlchemyError as err:
             _judge(
@@ -410,14 +420,19 @@ def run_statement(engine: Engine, fn: Callable[[Connection], T], *, write: bool 
         try:
             with engine.connect() as conn:
                 conn.execution_options(isolation_level="AUTOCOMMIT")
+                watch = sessions.session(conn)
                 sent = True
-                return fn(conn)
+                result = fn(conn)
+            if write:
+                sessions.after_commit(watch)
+            return result
         except exc.SQLAlchemyError as err:
-            # A broken read: nothing to be uncertain about, once more on a fresh connection.
+            # Broken before our statement, or a broken read: nothing to be uncertain
+            # about, once more on a fresh connection.
             _judge(
                 err,
                 may_have_committed=sent and write,
-                again_if_broken=sent and not write and attempt == 0,
+                again_if_broken=(not sent or not write) and attempt == 0,
                 attempt=attempt,
             )
     raise StorageError("statement retries exhausted")  # pragma: no cover - loop returns/raises
@@ -454,17 +469,23 @@ def _run_sql(
     error: type[Exception] = engine.dialect.loaded_dbapi.Error
     # On payorch's engines the connection goes back still in autocommit: the next statement
     # run here needs no switch, and the checkout listener switches it back for anyone else.
-    # An engine the caller built has no such listener: there it is switched back at once.
+    # An engine the caller built has no such listener: there it goes back at once to the
+    # mode it had (an AUTOCOMMIT engine's stays in autocommit).
     ours = engine in _SCHEMAS
     for attempt in range(MAX_TRANSACTION_ATTEMPTS):
         fairy = _checkout(engine, error)
         driver: Any = fairy.driver_connection
+        was = driver.autocommit  # a caller's engine gets its connection back in this mode
         try:
-            if not driver.autocommit and not _set_autocommit(fairy, driver, True):
+            watch = None
+            if was or _set_autocommit(fairy, driver, True):
+                watch = sessions.watch_of(fairy.info) or sessions.first_use(fairy, driver, error)
+            if watch is None:
                 # Unusable before anything was sent: nothing to be uncertain about.
                 if attempt == 0:
                     continue  # once, on a fresh connection
                 raise DatabaseUnavailable("database connection lost before the statement")
+            watch.seen = None
             try:
                 cursor = driver.execute(sql, params)
                 rows = cursor.fetchall() if every else [cursor.fetchone()]
@@ -479,10 +500,12 @@ def _run_sql(
                     attempt=attempt,
                 )
                 continue
+            if write and watch.seen is not None:
+                raise sessions.wait_cancelled(watch.seen)
             return [row for row in rows if row is not None]
         finally:
-            if not ours and fairy.is_valid and driver.autocommit:
-                _set_autocommit(fairy, driver, False)
+            if not ours and fairy.is_valid and driver.autocommit != was:
+                _set_autocommit(fairy, driver, was)
             fairy.close()  # back to the pool (or, invalidated, discarded)
     raise StorageError("statement retries exhausted")  # pragma: no cover - loop returns/raises
 

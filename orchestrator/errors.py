@@ -33,7 +33,9 @@ and may have reached the provider. No error ever invites a new key.
     │   ├── StaleVersion                    409  compare-and-set lost (fencing)
     │   └── InvalidTransition               409  the state machine forbids it
     ├── ConfigurationError                  500  refused at start-up (or a type's default
-    │                                            provider missing from the executor)
+    │   │                                        provider missing from the executor)
+    │   └── DatabaseReadOnly                503  a standby or a read-only session; also a
+    │                                            StorageError: nothing committed, same key
     ├── ProviderError                       502
     │   ├── ProviderIdempotencyError        502  provider says our key was reused differently
     │   ├── ProviderUnavailable             503  + retry_after; nothing was sent: same key
@@ -44,6 +46,8 @@ and may have reached the provider. No error ever invites a new key.
     │       └── WebhookUnstorable           400  id/type/reference too long for its column
     └── StorageError                        503  + retry_after; nothing committed: same key
         ├── DatabaseUnavailable             503
+        │   └── SyncStandbyUnavailable      503  strict mode, no synchronous standby: nothing
+        │                                        claimed
         ├── CorruptRecord                   503  a stored row cannot be read; quarantined
         └── OutcomeNotRecorded              503  may have happened: same key, later
             └── CommitUncertain             503  a COMMIT was sent, its answer lost
@@ -57,6 +61,7 @@ __all__ = [
     "CommitUncertain",
     "ConfigurationError",
     "CorruptRecord",
+    "DatabaseReadOnly",
     "DatabaseUnavailable",
     "IdempotencyError",
     "IdempotencyKeyExpired",
@@ -80,6 +85,7 @@ __all__ = [
     "StaleVersion",
     "StateConflict",
     "StorageError",
+    "SyncStandbyUnavailable",
     "UnencodableRequest",
     "UnknownOperationType",
     "UnknownProvider",
@@ -275,6 +281,29 @@ class StorageError(PayorchError):
 
 class DatabaseUnavailable(StorageError):
     problem_type = "urn:payorch:problem:database-unavailable"
+
+
+class DatabaseReadOnly(ConfigurationError, StorageError):
+    """The database payorch reached refuses writes: a standby (in recovery) or a read-only
+    session (``default_transaction_read_only``, SQLSTATE 25006). A configuration error: the
+    URL must reach the primary (list every host with ``target_session_attrs=read-write``).
+
+    Also a :class:`StorageError` (503): the server refused the write, so nothing committed,
+    and a client that meets it mid-operation retries the same key once payorch is pointed
+    at the primary. Never retried inline: a standby does not become a primary by waiting.
+    """
+
+    http_status = 503
+    problem_type = "urn:payorch:problem:database-read-only"
+    retry_after: float = 5.0
+
+
+class SyncStandbyUnavailable(DatabaseUnavailable):
+    """Claims require a synchronous standby (``PAYORCH_REQUIRE_SYNC_STANDBY``) and none is
+    streaming: nothing was claimed, nothing sent. Retry the same key later."""
+
+    problem_type = "urn:payorch:problem:sync-standby-unavailable"
+    retry_after: float = 5.0
 
 
 class OutcomeNotRecorded(StorageError):

@@ -1,7 +1,7 @@
 """Structured log lines through the standard :mod:`logging` module.
 
-Loggers: ``payorch.executor``, ``payorch.reconciler``, ``payorch.webhooks``. Every line
-payorch emits has a stable event name (``record.event``) and its fields as record
+Loggers: ``payorch.executor``, ``payorch.reconciler``, ``payorch.webhooks``, ``payorch.db``.
+Every line payorch emits has a stable event name (``record.event``) and its fields as record
 attributes (``extra``), and a message that repeats them as ``event key=value …`` for
 plain formatters. Fields are identifiers and classifications: operation id, tenant,
 operation, provider, state transition (``from_state`` → ``to_state``), attempt, answer
@@ -24,6 +24,8 @@ event                          level    when
 ``reconciler.started``         INFO     the daemon's first line
 ``webhook.handled``            INFO     a verified delivery and what it did
 ``webhook.rejected``           WARNING  a delivery refused (signature, shape, storage)
+``database.replication``       INFO     start-up: the replication mode (``payorch.db``);
+                                        WARNING unless synchronous
 =============================  =======  ==================================================
 
 Each helper checks ``isEnabledFor`` before it builds anything, so a level that is off costs

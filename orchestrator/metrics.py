@@ -34,6 +34,7 @@ from .core import State
 from .errors import PayorchError, WebhookRejected
 from .probes import OneAtATime, read_gauges
 from .provider import AnswerKind
+from .replication import MODES, Status
 
 if TYPE_CHECKING:
     from .store import Store
@@ -327,7 +328,7 @@ def counts_webhooks(fn: F) -> F:
 class StoreGauges(Collector):
     """Reads the operations table when scraped: active states, due backlog, attention, the
     oldest unknown, and ``payorch_database_up`` (0, never an error, when the read fails or
-    takes longer than ``timeout``).
+    takes longer than ``timeout``); on PostgreSQL the replication mode and standbys too.
     """
 
     def __init__(self, store: Store, *, timeout: float = 5.0) -> None:
@@ -361,6 +362,34 @@ class StoreGauges(Collector):
         ):
             gauge = GaugeMetricFamily(name, text)
             gauge.add_metric([], values[key])
+            yield gauge
+        if "replication" in values:
+            yield from _replication_gauges(values["replication"])
+
+
+def _replication_gauges(status: Status) -> Iterator[Any]:
+    """The PostgreSQL replication mode (one series per mode, 1 for the current one) and
+    the standbys streaming (absent when the role may not see them)."""
+    mode = GaugeMetricFamily(
+        "payorch_database_replication_mode",
+        "1 for the database's replication mode now (sync: commits wait for a streaming "
+        "synchronous standby), 0 for the others",
+        labels=["mode"],
+    )
+    for name in MODES:
+        mode.add_metric([name], 1.0 if status.mode == name else 0.0)
+    yield mode
+    for name, text, value in (
+        (
+            "payorch_database_sync_standbys",
+            "Synchronous standbys streaming",
+            status.sync_standbys_streaming,
+        ),
+        ("payorch_database_standbys", "Standbys streaming", status.standbys_streaming),
+    ):
+        if value is not None:
+            gauge = GaugeMetricFamily(name, text)
+            gauge.add_metric([], float(value))
             yield gauge
 
 

@@ -17,6 +17,7 @@ from sqlalchemy.engine import Engine
 from .db import run_sql, run_sql_rows
 from .errors import CorruptRecord, StaleVersion, StorageError
 from .records import OPERATION_COLUMNS, NewOperation, OperationRecord
+from .replication import gate
 from .statements import (
     PG_CLAIM,
     PG_CLAIM_DUE,
@@ -47,7 +48,9 @@ def claim(
 ) -> tuple[int, OperationRecord, datetime] | None:
     """``PG_CLAIM``: (its kind, the record, the database time), or None if it saw no row.
 
-    Raises ``CommitUncertain`` if the statement (the claim's commit) went unanswered.
+    Raises ``CommitUncertain`` if the statement (the claim's commit) went unanswered, and
+    ``SyncStandbyUnavailable`` (nothing sent) if the store requires a synchronous standby
+    and none streams.
     """
     params = {
         "tenant_id": new.tenant_id,
@@ -70,6 +73,7 @@ def claim(
             {"idempotency_key": new.idempotency_key, "fingerprint": new.fingerprint}
         ),
     }
+    gate(engine)  # with PAYORCH_REQUIRE_SYNC_STANDBY: no claim without a synchronous standby
     row = run_sql(engine, PG_CLAIM, params)
     if row is None:
         return None

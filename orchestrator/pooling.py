@@ -32,6 +32,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import URL, Engine
 
 from .errors import ConfigurationError
+from .sessions import conninfo
 
 __all__ = [
     "LISTEN_URL_ENV",
@@ -131,7 +132,7 @@ def pooling_of(engine: Engine) -> Pooling:
 
 
 def listen_dsn(engine: Engine) -> str | None:
-    """Where the waiters' LISTEN connection goes (a libpq URL), or None: they poll.
+    """Where the waiters' LISTEN connection goes (a libpq conninfo), or None: they poll.
 
     ``listen_url`` if given; else the engine's own server, unless that is reached through
     a transaction pooler, where a LISTEN would hold on whichever server connection it ran.
@@ -142,4 +143,5 @@ def listen_dsn(engine: Engine) -> str | None:
         if pooling.per_transaction:
             return None
         url = engine.url
-    return url.set(drivername="postgresql").render_as_string(hide_password=False)
+    # As the dialect reads it: a multi-host URL (?host=a:1&host=b:2) is no libpq URL.
+    return conninfo(engine, url)

@@ -15,13 +15,15 @@ import sqlalchemy as sa
 
 from .core import State
 from .db import read_in_transaction
+from .errors import DatabaseReadOnly
 from .forks import reset_in_child
+from .replication import Status
 from .tables import db_now, is_active, is_flagged, operations
 
 if TYPE_CHECKING:
     from .store import Store
 
-__all__ = ["OneAtATime", "ping", "read_gauges"]
+__all__ = ["OneAtATime", "ping", "read_gauges", "replication"]
 
 T = TypeVar("T")
 
@@ -98,7 +100,19 @@ def read_gauges(store: Store) -> dict[str, Any]:
             "oldest_unknown_age": max(age, 0.0),
         }
 
-    return read_in_transaction(store.engine, read)
+    values = read_in_transaction(store.engine, read)
+    if store.is_postgres:  # the replication gauges: one statement more
+        values["replication"] = replication(store)
+    return values
+
+
+def replication(store: Store) -> Status:
+    """The store's replication status; ``read_only`` (not an error) for a standby or a
+    read-only session, so a probe can say so."""
+    try:
+        return store.replication.status()
+    except DatabaseReadOnly:
+        return Status(mode="read_only")
 
 
 def ping(store: Store) -> bool:

@@ -31,6 +31,9 @@ class Settings(BaseSettings):
     # re-submission): 151 s with the Stripe adapter's default time-outs.
     lease_seconds: float = Field(default=180.0, gt=0)
     reconcile_interval_seconds: float = Field(default=5.0, gt=0)
+    # Claims only while a synchronous standby streams (PostgreSQL): refused at start-up and
+    # per claim otherwise. Stores read it from the environment themselves.
+    require_sync_standby: bool = False
     reconcile_batch_size: int = Field(default=50, gt=0, le=1000)
     # Checks run at once per pass (unset: 8, or the pool size if smaller); 0 or more than
     # the database pool's size is refused at start-up by the reconciler.

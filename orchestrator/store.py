@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Engine
 
-from . import pg_writes
+from . import pg_writes, replication
 from .claims import claim_uncertain, duplicate_kind, look_again_after
 from .core import State, check_transition
 from .db import create_engine, run_in_transaction, run_statement, schema_of
@@ -65,9 +65,9 @@ _TAKE_OVER_ATTEMPTS = 3  # racing requests for one released operation: then "in 
 class Store(Reads, Replays, WorkQueue):
     """Operations and their events on PostgreSQL or SQLite."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.dialect = engine.dialect.name
+    def __init__(self, engine: Engine, *, require_sync_standby: bool | None = None) -> None:
+        self.engine, self.dialect = engine, engine.dialect.name
+        self.replication = replication.Guard(engine, require_sync_standby=require_sync_standby)
         # Hot statements are built once: SQLAlchemy then skips coercion and cache-key work.
         self._claim_stmt = build_claim(
             postgresql.insert if self.dialect == "postgresql" else sqlite.insert
@@ -105,7 +105,7 @@ class Store(Reads, Replays, WorkQueue):
                     return None
                 schema = schema_of(self.engine)
                 self._listener = Listener(
-                    dsn,
+                    dsn,  # a libpq conninfo: multi-host and target_session_attrs included
                     # It reads for woken waiters, on its own connection: payorch's tables.
                     reader=pg_writes.reread_for,
                     options=f"-c search_path={schema}" if schema not in (None, "public") else None,

@@ -19,6 +19,7 @@ import pytest
 import sqlalchemy as sa
 from conftest import REQUIRE_PG, LoopThread, create_pg_database, make_due
 from pgbouncer import PgBouncer, PgBouncerUnavailable
+from psycopg.conninfo import conninfo_to_dict
 
 from payorch import migrate, waiting
 from payorch.aio import AsyncExecutor
@@ -394,7 +395,10 @@ def test_the_environment_names_the_pooler_and_where_to_listen(
     monkeypatch.setenv("PAYORCH_DATABASE_POOLER", "transaction")
     monkeypatch.setenv("PAYORCH_LISTEN_DATABASE_URL", "postgresql://app@db-primary:5432/pay")
     pooled = create_engine("postgresql://app@pgbouncer:6432/pay")
-    assert listen_dsn(pooled) == "postgresql://app@db-primary:5432/pay"
+    # A libpq conninfo (a multi-host URL has no libpq URL form): the server itself.
+    server = {"host": "db-primary", "port": "5432", "dbname": "pay", "user": "app"}
+    dsn = listen_dsn(pooled)
+    assert dsn is not None and conninfo_to_dict(dsn) == server
     monkeypatch.delenv("PAYORCH_LISTEN_DATABASE_URL")
     assert listen_dsn(create_engine("postgresql://app@pgbouncer:6432/pay")) is None
     monkeypatch.setenv("PAYORCH_LISTEN_DATABASE_URL", "sqlite:///payorch.db")
@@ -403,4 +407,5 @@ def test_the_environment_names_the_pooler_and_where_to_listen(
     monkeypatch.delenv("PAYORCH_DATABASE_POOLER")
     monkeypatch.delenv("PAYORCH_LISTEN_DATABASE_URL")
     direct = create_engine("postgresql://app@db-primary:5432/pay")
-    assert listen_dsn(direct) == "postgresql://app@db-primary:5432/pay"
+    dsn = listen_dsn(direct)
+    assert dsn is not None and conninfo_to_dict(dsn) == server

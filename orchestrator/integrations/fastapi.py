@@ -14,7 +14,8 @@ The dependency resolves the tenant (from the request: a header, a path parameter
 authenticated principal; never the body), parses the ``Idempotency-Key`` header and the JSON
 body, and refuses bad input with an RFC 9457 problem before anything is written. The
 :class:`~payorch.AsyncExecutor` runs on the server's event loop (no thread pool); the
-lifespan checks the database on start-up and closes the store and the adapters' clients.
+lifespan checks the database on start-up (reachable, a read-write primary, its replication
+mode logged) and closes the store and the adapters' clients.
 """
 
 import contextlib
@@ -253,6 +254,7 @@ class Payorch:
             )
         try:
             await self.store.db_time()  # the pool's first connection, on the server's loop
+            await self.store.check_replication()  # logged; strict mode refuses without sync
             yield
         finally:
             for adapter in self.providers:

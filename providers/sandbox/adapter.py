@@ -433,9 +433,7 @@ class SandboxProvider:
             downstream_key=_str_or_none(effect.get("idempotency_key")),
             # Effects made before keys came from the namespace carry payorch's operation id.
             operation_id=(
-                _str_or_none(metadata.get("operation_id"))
-                if isinstance(metadata, dict)
-                else None
+                _str_or_none(metadata.get("operation_id")) if isinstance(metadata, dict) else None
             ),
             occurred_at=occurred_at,
             body=event,

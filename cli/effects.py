@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -9,7 +10,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from payorch.errors import UnknownProvider
+from payorch.errors import InvalidRequest, UnknownProvider
 
 from . import render
 from .lazy import lazy_module
@@ -66,10 +67,21 @@ def _row(finding: Finding) -> dict[str, str]:
     tags = effect.tags
     if finding.verdict is unexplained.Verdict.ADOPTED:
         verdict = f"adopted as {finding.operation_id}"
-    elif finding.refusal is not None:
-        verdict = f"unexplained, not adoptable: {finding.refusal}"
+        if finding.nothing_sent:
+            verdict += f" (it was released: {unexplained.NOTHING_SENT})"
+    elif finding.verdict is unexplained.Verdict.EXPLAINED:
+        verdict = f"explained by {finding.operation_id}"
     else:
-        verdict = "unexplained, adoptable"
+        # A released operation of its namespace says nothing was sent: the effect denies it.
+        verdict = "unexplained"
+        if finding.nothing_sent:
+            verdict += f" ({unexplained.NOTHING_SENT}: {finding.operation_id})"
+        if finding.refusal is not None:
+            verdict += f", not adoptable: {finding.refusal}"
+        else:
+            verdict += ", adoptable"
+        if finding.note:
+            verdict += f"; {finding.note}"
     return {
         "created": render.fmt_time(effect.created_at),
         "reference": effect.provider_reference,
@@ -86,9 +98,10 @@ def _summary(report: ScanReport) -> str:
     c = report.counts()
     refused = f" ({c['not_adoptable']} not adoptable)" if c["not_adoptable"] else ""
     adopted = f", {c['adopted']} adopted" if c["adopted"] else ""
+    scoped = f" ({c['other_scope']} under another key scope)" if c["other_scope"] else ""
     return (
         f"{report.provider}: {c['listed']} effects created {render.fmt_time(report.since)} "
-        f"to {render.fmt_time(report.until)}; {c['not_ours']} not payorch's, "
+        f"to {render.fmt_time(report.until)}; {c['not_ours']} not payorch's{scoped}, "
         f"{c['explained']} explained, {c['unexplained']} unexplained{refused}{adopted}"
     )
 
@@ -115,6 +128,7 @@ def _json(report: ScanReport) -> dict[str, Any]:
         "until": report.until.isoformat(),
         "counts": report.counts(),
         "findings": [f.to_dict() for f in report.findings],
+        "skipped": [s.to_dict() for s in report.skipped],
     }
 
 
@@ -165,17 +179,22 @@ def unexplained_cmd(
     """List the provider's effects made under payorch's tags that no operation explains.
 
     An effect is explained when an operation of its tenant holds its namespace, its
-    downstream key or its provider reference. --adopt creates, for each unexplained one
-    whose tags name its whole namespace and fingerprint, the operation its lost claim would
-    have become (succeeded, failed_final or outcome_unknown, as the effect shows), flagged
-    for attention: the client's retry with the same key then replays it.
+    downstream key or its provider reference, unless that operation is released (it says
+    nothing was sent). --adopt gives each unexplained one whose tags name its whole
+    namespace and fingerprint the operation its lost claim would have become (succeeded,
+    failed_final or outcome_unknown, as the effect shows), flagged for attention: the
+    client's retry with the same key then replays it. Effects made under another
+    installation's key scope (PAYORCH_KEY_SCOPE) are skipped.
     """
     end = until or datetime.now(UTC)
     if since > end:
         raise typer.BadParameter("--since must not be later than --until", param_hint="--since")
     if adopt and (actor is None or reason is None):
         raise typer.BadParameter("--adopt needs --actor and --reason", param_hint="--adopt")
-    providers = build_providers(settings())
+    config = settings()
+    # The installation's key scope, as its Executors read it: refs and keys derive from it.
+    key_scope = unexplained.installation_scope()
+    providers = build_providers(config)
     try:
         chosen = next((p for p in providers if p.name == provider), None)
         if chosen is None:
@@ -183,9 +202,17 @@ def unexplained_cmd(
             raise UnknownProvider(f"no provider named {provider!r} is configured (have: {names})")
         lister = unexplained.lister_of(chosen)  # before the database: a clear refusal first
         with open_store(database_url) as store:
-            report = unexplained.scan(store, lister, since=since, until=end)
+            report = unexplained.scan(store, lister, since=since, until=end, key_scope=key_scope)
             if adopt:
-                _adopt(store, report, actor=actor or "", reason=reason or "", yes=yes, json_=json_)
+                _adopt(
+                    store,
+                    report,
+                    actor=actor or "",
+                    reason=reason or "",
+                    key_scope=key_scope,
+                    yes=yes,
+                    json_=json_,
+                )
     finally:
         for adapter in providers:
             close = getattr(adapter, "close", None)
@@ -198,16 +225,19 @@ def unexplained_cmd(
 
 
 def _adopt(
-    store: Store, report: ScanReport, *, actor: str, reason: str, yes: bool, json_: bool
+    store: Store,
+    report: ScanReport,
+    *,
+    actor: str,
+    reason: str,
+    key_scope: str,
+    yes: bool,
+    json_: bool,
 ) -> None:
     """Adopt the report's adoptable findings in place, after a confirmation unless ``yes``."""
     from payorch.operations import default_registry
 
-    todo = [
-        i
-        for i, f in enumerate(report.findings)
-        if f.verdict is unexplained.Verdict.UNEXPLAINED and f.refusal is None
-    ]
+    todo = [i for i, f in enumerate(report.findings) if f.adoptable]
     if not todo:
         return
     if not yes:
@@ -229,6 +259,10 @@ def _adopt(
             raise typer.Exit(1)
     registry = default_registry()
     for i in todo:
-        report.findings[i] = unexplained.adopt(
-            store, report.findings[i], actor=actor, reason=reason, registry=registry
-        )
+        finding = report.findings[i]
+        try:
+            report.findings[i] = unexplained.adopt(
+                store, finding, actor=actor, reason=reason, registry=registry, key_scope=key_scope
+            )
+        except InvalidRequest as exc:  # this one only: the others are adopted all the same
+            report.findings[i] = replace(finding, refusal=f"it could not be adopted: {exc.message}")

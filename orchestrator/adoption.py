@@ -1,15 +1,23 @@
-"""The store write that adopts a provider effect no operation explains.
+"""The store writes that adopt a provider effect no operation explains.
 
-One transaction: ``INSERT … ON CONFLICT (tenant_id, operation, idempotency_key) DO NOTHING
-RETURNING`` of the operation, already in the state its evidence proves, and its ``adopted``
-event. The unique constraint decides a race with the client's own retry, as it decides
-between two claims: whichever commits first holds the namespace, the other inserts nothing.
+A namespace no row holds: one transaction, ``INSERT … ON CONFLICT (tenant_id, operation,
+idempotency_key) DO NOTHING RETURNING`` of the operation, already in the state its evidence
+proves, and its ``adopted`` event. The unique constraint decides a race with the client's
+own retry, as it decides between two claims: whichever commits first holds the namespace,
+the other inserts nothing.
+
+A namespace a *released* row holds (the client's retry re-created the lost claim and sent
+nothing: :attr:`~payorch.records.OperationRecord.released`): one version-fenced
+``Store.transition`` of that row to the state the evidence proves. A retry that takes the
+row over first moves its version, and the adoption loses with ``StaleVersion``.
+
 The decisions (what is adoptable, in which state) are :mod:`payorch.unexplained`'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -23,7 +31,7 @@ from .statements import add_event, new_id
 from .store import Store
 from .tables import db_now, db_now_plus, operations
 
-__all__ = ["ADOPTED_EVENT", "ADOPTED_RESOLUTION", "insert_adopted"]
+__all__ = ["ADOPTED_EVENT", "ADOPTED_RESOLUTION", "adopt_released", "insert_adopted"]
 
 ADOPTED_EVENT = "adopted"
 ADOPTED_RESOLUTION = "adopted"
@@ -105,3 +113,42 @@ def insert_adopted(
         return record
 
     return run_in_transaction(store.engine, txn)
+
+
+def adopt_released(
+    store: Store,
+    record: OperationRecord,
+    decision: Decision,
+    *,
+    provider_reference: str,
+    actor: str,
+    detail: Mapping[str, Any],
+) -> OperationRecord:
+    """Move ``record``, a released operation of the effect's namespace, to ``decision``'s
+    state, flagged for attention, with its ``adopted`` event: one transition fenced by the
+    version ``record`` was read at (``StaleVersion`` if anyone wrote it since).
+
+    Its stored request is dropped, as an adoption from nothing has none: it was never sent,
+    and the row's ``created_at`` is later than the effect's key, so a re-submission could
+    fall outside the provider's idempotency window of the key (the reconciler re-submits
+    only operations with a request). The caller keeps it in the event's detail.
+    """
+    terminal = decision.state.terminal
+    return store.transition(
+        record,
+        decision.state,
+        kind=ADOPTED_EVENT,
+        actor=actor,
+        detail=detail,
+        provider_reference=provider_reference,
+        response=decision.response,
+        request=None,
+        error_code=decision.error_code,
+        resolution=ADOPTED_RESOLUTION if terminal else None,
+        # The effect proves that at least one attempt reached the provider.
+        possibly_sent=True,
+        attempts_delta=1,
+        needs_attention=True,
+        # An outcome_unknown one is due for the reconciler's first check now.
+        next_check_in=None if terminal else timedelta(0),
+    )

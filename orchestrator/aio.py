@@ -89,6 +89,7 @@ class AsyncExecutor:
         owner: str | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rand: Callable[[], float] = random.random,
+        key_scope: str | None = None,
     ) -> None:
         self.store = store
         adapters = list(providers)
@@ -99,6 +100,7 @@ class AsyncExecutor:
             lease=lease,
             retry=retry,
             owner=owner,
+            key_scope=key_scope,
             sleep=lambda seconds: wait_for(sleep(seconds)),
             rand=rand,
         )

@@ -18,6 +18,7 @@ import http_sf
 import rfc8785
 
 from .errors import (
+    ConfigurationError,
     InvalidIdempotencyKey,
     InvalidMoney,
     InvalidRequest,
@@ -44,6 +45,7 @@ __all__ = [
     "operation_id_from_downstream_key",
     "safe_text",
     "validate_idempotency_key",
+    "validate_key_scope",
     "validate_operation_name",
     "validate_tenant",
 ]
@@ -287,16 +289,35 @@ _REF_RE = re.compile(f"[0-9a-f]{{{_REF_LENGTH}}}")
 _STEP_RE = re.compile(r"[a-z_]{1,20}")
 
 
-def namespace_ref(tenant_id: str, operation: str, idempotency_key: str) -> str:
+def namespace_ref(tenant_id: str, operation: str, idempotency_key: str, scope: str = "") -> str:
     """The name of a namespace that crosses to the provider: 32 hex digits of SHA-256.
 
-    A pure function of ``(tenant, operation, key)`` (the three are joined by NUL, which none
-    of them may contain): a claim lost in a database failover and re-created by the client's
-    retry has the same ref, so it sends the same downstream key and the same metadata, and
-    the provider's own idempotency answers it. The operation id never crosses.
+    A pure function of ``(tenant, operation, key)`` (joined by NUL, which none of them may
+    contain): a claim lost in a database failover and re-created by the client's retry has
+    the same ref, so it sends the same downstream key and the same metadata, and the
+    provider's own idempotency answers it. The operation id never crosses.
+
+    ``scope`` (``PAYORCH_KEY_SCOPE``, :func:`validate_key_scope`) sets installations apart
+    that share one provider account with overlapping tenants and keys; it must stay the
+    same for the life of the installation, as the keys it made depend on it.
     """
-    joined = "\x00".join((tenant_id, operation, idempotency_key)).encode("utf-8")
+    parts = (
+        (scope, tenant_id, operation, idempotency_key)
+        if scope
+        else (tenant_id, operation, idempotency_key)
+    )
+    joined = "\x00".join(parts).encode("utf-8")
     return hashlib.sha256(b"payorch-namespace\x00" + joined).hexdigest()[:_REF_LENGTH]
+
+
+def validate_key_scope(scope: object) -> str:
+    """A key scope: empty (none), or 1-64 characters of letters, digits and ``_.:-``."""
+    if not isinstance(scope, str) or (scope and not _TENANT_RE.fullmatch(scope)) or len(scope) > 64:
+        raise ConfigurationError(
+            "key scope (PAYORCH_KEY_SCOPE) must be empty or 1-64 characters of letters, "
+            "digits and '_.:-'"
+        )
+    return scope
 
 
 def downstream_key(ref: str, step: str = "submit") -> str:

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from . import logs, metrics, tracing
 from .bridge import bridged, pause
-from .core import State, backoff_delay, max_backoff_total
+from .core import State, backoff_delay, max_backoff_total, validate_key_scope
 from .errors import (
     ConfigurationError,
     IdempotencyKeyExpired,
@@ -96,8 +96,14 @@ class Executor:
         owner: str | None = None,
         sleep: Callable[[float], None] = time.sleep,
         rand: Callable[[], float] = random.random,
+        key_scope: str | None = None,
     ) -> None:
         self.store = store
+        # None: the environment's (PAYORCH_KEY_SCOPE), so the CLI, the integrations and the
+        # app's own executors agree; only that variable is read (others are not ours here).
+        self.key_scope = validate_key_scope(
+            os.environ.get("PAYORCH_KEY_SCOPE", "") if key_scope is None else key_scope
+        )
         self.providers: dict[str, Provider] = {}
         for p in providers:
             if p.name in self.providers:
@@ -150,7 +156,9 @@ class Executor:
 
         Raises ``InvalidRequest`` subclasses (nothing written; ``UnknownProvider`` for a
         ``provider`` this executor lacks), ``IdempotencyKeyReused``, ``IdempotencyKeyExpired``
-        and ``OperationInProgress`` (unless ``wait`` covers it). Storage failures: a plain
+        and ``OperationInProgress`` (unless ``wait`` covers it). ``ProviderUnavailable``
+        (503): every attempt was certainly not sent, nothing is stored as the key's answer,
+        and the same key runs again on the next call. Storage failures: a plain
         ``StorageError`` before the claim can have committed; ``OutcomeNotRecorded`` once it
         may have (the operation may exist and may have been sent). Both mean "retry the
         same key"; neither permits a new one.
@@ -166,6 +174,7 @@ class Executor:
             idempotency_key=idempotency_key,
             request=request,
             provider=provider,
+            key_scope=self.key_scope,
         )
         if provider:  # as prepare() reads it: an empty name means the type's default
             adapter = self.provider(provider)
@@ -195,16 +204,28 @@ class Executor:
                 return shared
             wait = max(timedelta(0), wait - timedelta(seconds=time.monotonic() - waited))
         answered: OperationRecord | None = None
+        unavailable: ProviderUnavailable | None = None
         try:
             answered, replayed = self._execute(prepared, adapter, seen, started, wait)
             return Outcome.from_record(answered, replayed=replayed)
+        except ProviderUnavailable as exc:
+            unavailable = exc
+            raise
         finally:
             if leading and flight is not None:
-                self.flights.land(namespace, flight, answered)
+                self.flights.land(namespace, flight, answered, unavailable)
 
     def _join(self, flight: Flight, wait: timedelta) -> Outcome | None:
         """A joiner's answer: the leader's, a replay if settled; None: take the usual path."""
         record, to_count = self.flights.wait(flight, wait.total_seconds())
+        if flight.unavailable is not None:
+            said = flight.unavailable  # a copy each: joiners raise in their own threads
+            raise ProviderUnavailable(
+                said.message,
+                operation_id=said.operation_id,
+                retry_after=said.retry_after,
+                code=said.code,
+            )
         if record is None:
             return None
         if to_count:
@@ -284,6 +305,7 @@ def _not_sent(record: OperationRecord) -> ProviderUnavailable:
     )
 
 
+_CONFIGURATION_RETRY_AFTER = 60.0  # seconds
 _LATE_RACES = 5  # attempts to fence a late conflict's flag before only recording it
 
 
@@ -297,7 +319,15 @@ def _submit_once(adapter: Provider, request: SubmitRequest) -> tuple[Answer, boo
         return Answer(kind=AnswerKind.AMBIGUOUS, code="idempotency_error", message=str(exc)), True
     except ConfigurationError as exc:
         # The adapter refused before sending (e.g. an operation it does not support).
-        return Answer(kind=AnswerKind.NOT_SENT, code="configuration_error", message=str(exc)), True
+        # Flagged for the operator; a caller comes back with the same key once it is fixed,
+        # not every few seconds.
+        answer = Answer(
+            kind=AnswerKind.NOT_SENT,
+            code="configuration_error",
+            message=str(exc),
+            retry_after=_CONFIGURATION_RETRY_AFTER,
+        )
+        return answer, True
     except (UnicodeEncodeError, InvalidRequest) as exc:
         # The adapter could not turn the request into bytes, or refused it as invalid:
         # either way none of it reached the wire.

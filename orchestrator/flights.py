@@ -7,7 +7,10 @@ each claiming, reading and waiting on the database, which would slow the leader 
 other: when the leader has its answer they answer with it, a replay if it is settled (their
 replays counted by one statement). A joiner whose leader ends in an error, or whose own
 wait runs out first, takes the usual path itself, so its answer is never other than the
-database's. Nothing here calls a provider.
+database's, except when the leader found the provider unreachable (``ProviderUnavailable``:
+nothing was sent, nothing stored): its joiners get that answer too, rather than each
+running the same inline retries against a provider that is refusing. Nothing here calls a
+provider.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from .core import State
+from .errors import ProviderUnavailable
 from .forks import reset_in_child
 from .records import OperationRecord
 
@@ -30,6 +34,7 @@ class Flight:
     fingerprint: str
     landed: threading.Event = field(default_factory=threading.Event)
     record: OperationRecord | None = None  # the leader's answer; None: it raised
+    unavailable: ProviderUnavailable | None = None  # what it raised, when it is shared
     joined: int = 0  # joiners that will answer from ``record`` (their replays)
     uncounted: int = 0  # replays still to count: taken by the first joiner to wake
 
@@ -59,8 +64,15 @@ class Flights:
                 return flight, False
             return None, False
 
-    def land(self, namespace: Namespace, flight: Flight, record: OperationRecord | None) -> None:
-        """The leader's answer (None: it raised): its joiners wake; nobody joins any more."""
+    def land(
+        self,
+        namespace: Namespace,
+        flight: Flight,
+        record: OperationRecord | None,
+        unavailable: ProviderUnavailable | None = None,
+    ) -> None:
+        """The leader's answer (None: it raised; ``unavailable`` if that is what it raised):
+        its joiners wake; nobody joins any more."""
         with self._lock:
             if self._flying.get(namespace) is flight:
                 del self._flying[namespace]
@@ -68,6 +80,7 @@ class Flights:
             if record is not None and record.state is State.IN_PROGRESS:
                 record = None
             flight.record = record
+            flight.unavailable = unavailable
             flight.uncounted = flight.joined if record is not None and record.terminal else 0
         flight.landed.set()
 

@@ -78,8 +78,8 @@ REPLAYED_HEADER = "Idempotent-Replayed"
 JSON = "application/json"
 PROBLEM_JSON = "application/problem+json"
 SAME_KEY = "same_key"
-NEW_KEY = "new_key"  # no answer carries it since 0.2 (every 503 is same_key); kept for callers
-# A stored "nothing was sent" failure keeps no provider Retry-After; its inline retries
+NEW_KEY = "new_key"  # no answer carries it any more (every 503 is same_key); kept for callers
+# When a stored outcome says 503 without a Retry-After of its own: its inline retries
 # already waited, so a client should not come straight back.
 FAILED_NOT_SENT_RETRY_AFTER = 5
 # The longest header value that can still hold a valid key: every character escaped, quoted.
@@ -315,9 +315,13 @@ def _outcome_answer(result: Outcome, success_status: int, location: str | None) 
     if result.unknown:
         body["message"] = _UNKNOWN_MESSAGE
         body["retry"] = SAME_KEY
-    if status == 503:
-        # Every 503 means the same key (nothing sent is no longer stored as an outcome; the
-        # 0003 migration reopened the ones stored before).
+    if status == 503 and result.state is State.FAILED_FINAL:
+        # A "nothing sent" failure stored before such failures were released (or by a node
+        # of the earlier version during a rolling upgrade). Its client was told to use a new
+        # key and may have paid under it: this key stays closed, a final failure like a
+        # decline (nothing was charged under it), never a 503 that would loop for ever.
+        status = 402
+    elif status == 503:
         headers["Retry-After"] = str(FAILED_NOT_SENT_RETRY_AFTER)
         body["retry"] = SAME_KEY
     if location is not None and status in (201, 202):

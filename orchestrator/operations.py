@@ -228,6 +228,7 @@ class Registry:
         idempotency_key: str,
         request: Mapping[str, Any] | BaseModel,
         provider: str | None = None,
+        key_scope: str = "",
     ) -> Prepared:
         """Validate everything before anything is written: a refusal here reserves nothing."""
         validate_tenant(tenant_id)
@@ -280,6 +281,7 @@ class Registry:
             amount=amount if isinstance(amount, int) else None,
             currency=currency if isinstance(currency, str) else None,
             retention=op_type.retention,
+            key_scope=key_scope,
         )
         return Prepared(new=new, payload=data, effect=effect, type=op_type)
 

@@ -132,8 +132,9 @@ def transition(
         "e_from_state": record.state.value,
         "e_detail": json_param(event["detail"]),
     }
-    if "u_response" in params:  # SQL text: JSON as text, as SQLAlchemy's JSON type would
-        params["u_response"] = json_param(params["u_response"])
+    for name in ("u_response", "u_request"):  # SQL text: JSON as text, as SQLAlchemy's would
+        if name in params:
+            params[name] = json_param(params[name])
     row = run_sql(engine, sql, params)
     if row is None:
         raise StaleVersion(

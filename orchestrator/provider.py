@@ -151,7 +151,8 @@ def provider_tags(
 class SubmitRequest:
     tenant_id: str
     operation: str  # e.g. "payment.create"
-    # payorch's own id: for logs and traces; never sent (a failover may re-create it).
+    # payorch's own id: for logs and traces. Never sent for an operation whose key comes
+    # from the namespace (a failover may re-create it); the earlier form's tags carry it.
     operation_id: str
     downstream_key: str  # sent as the provider's idempotency key, identical on every attempt
     payload: Mapping[str, Any]  # the validated request, sensitive fields included
@@ -168,7 +169,7 @@ class SubmitRequest:
 class StatusQuery:
     tenant_id: str
     operation: str
-    operation_id: str  # never sent; see SubmitRequest
+    operation_id: str  # see SubmitRequest
     downstream_key: str
     provider_reference: str | None
     payload: Mapping[str, Any] = field(default_factory=dict)

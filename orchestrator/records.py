@@ -146,11 +146,13 @@ class NewOperation:
     amount: int | None = None
     currency: str | None = None
     retention: timedelta = timedelta(hours=24)
+    key_scope: str = ""  # the installation's (PAYORCH_KEY_SCOPE): part of every ref
 
     @property
     def downstream_key(self) -> str:
         """The provider idempotency key: from the namespace, never from a per-claim id."""
-        return downstream_key(namespace_ref(self.tenant_id, self.operation, self.idempotency_key))
+        ref = namespace_ref(self.tenant_id, self.operation, self.idempotency_key, self.key_scope)
+        return downstream_key(ref)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,6 +16,10 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PAYORCH_", extra="ignore")
 
     database_url: str = "sqlite:///payorch.db"
+    # Part of every downstream key and payorch_ref (payorch.core.namespace_ref): sets apart
+    # installations that share one provider account with overlapping tenants and keys.
+    # Set it once and never change it: keys already sent depend on it.
+    key_scope: str = Field(default="", pattern=r"^([A-Za-z0-9][A-Za-z0-9_.:-]{0,63})?$")
     # PostgreSQL only: the schema payorch's tables (and its version table) live in.
     db_schema: str = Field(default="public", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
     # PostgreSQL only, read by the engine itself (payorch.pooling): "transaction" when

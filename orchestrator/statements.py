@@ -326,7 +326,12 @@ PG_CLAIM_DUE_TENANTS = _claim_due_sql(some_tenants=True)  # a daemon per shard o
 # is a bound parameter.)
 
 # Parameters whose type the server cannot take from where they stand.
-_CASTS = {"response": "::json", "possibly_sent": "::boolean", "needs_attention": "::boolean"}
+_CASTS = {
+    "response": "::json",
+    "request": "::json",
+    "possibly_sent": "::boolean",
+    "needs_attention": "::boolean",
+}
 
 
 def pg_transition_sql(shape: tuple[Any, ...]) -> str:

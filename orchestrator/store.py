@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -25,6 +26,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Engine
 
 from . import pg_writes, replication
+from .claims import claim_uncertain, duplicate_kind, look_again_after
 from .core import State, check_transition
 from .db import create_engine, run_in_transaction, run_statement, schema_of
 from .errors import (
@@ -56,26 +58,8 @@ __all__ = ["NOTIFY_CHANNEL", "QUARANTINE_EVENT", "QUARANTINE_HOLD", "Store", "ne
 
 _UNSET: Any = object()
 
-# "In progress" tells a client when to look again, not how long the lease lasts: the lease
-# bounds the whole call with every inline retry (minutes with Stripe's time-outs). Look again
-# after about as long as the attempt has run so far (a quick call is over soon, a slow one
-# is likely to stay slow), at least 1 s, at most this, and not past a live lease's expiry.
-IN_PROGRESS_RETRY_CAP = 5.0
 _PG_CLAIM_ATTEMPTS = 3  # then the general transaction decides
 _TAKE_OVER_ATTEMPTS = 3  # racing requests for one released operation: then "in progress"
-
-
-def look_again_after(record: OperationRecord, lease_remaining: float) -> float:
-    """Seconds an ``OperationInProgress`` asks the client to wait (``Retry-After``)."""
-    if record.lease_expires_at is None:
-        return 1.0
-    # now = lease_expires_at - lease_remaining (the database's clock), so the time since the
-    # operation's last write is (lease_expires_at - updated_at) - lease_remaining.
-    ran = (record.lease_expires_at - record.updated_at).total_seconds() - lease_remaining
-    wait = min(ran, IN_PROGRESS_RETRY_CAP)
-    if lease_remaining > 0:
-        wait = min(wait, lease_remaining)
-    return max(1.0, round(wait, 1))
 
 
 class Store(Reads, Replays, WorkQueue):
@@ -153,14 +137,16 @@ class Store(Reads, Replays, WorkQueue):
         A released operation (nothing was sent before, :attr:`OperationRecord.released`) is
         taken over, same fingerprint and downstream key, and returned as ``created``.
         """
+        ends = time.monotonic() + wait.total_seconds() if wait is not None else None
         for _ in range(_TAKE_OVER_ATTEMPTS):
+            left = None if ends is None else timedelta(seconds=max(0.0, ends - time.monotonic()))
             result = self._claim_once(
-                new, owner=owner, lease=lease, possibly_sent=possibly_sent, wait=wait
+                new, owner=owner, lease=lease, possibly_sent=possibly_sent, wait=left
             )
             if not result.released:
                 return result
             try:
-                return self._take_over(result.operation, owner, lease, possibly_sent)
+                return self._take_over(result.operation, new, owner, lease, possibly_sent)
             except StaleVersion:
                 continue  # another request took it over first: judge the namespace again
         raise OperationInProgress(
@@ -170,10 +156,24 @@ class Store(Reads, Replays, WorkQueue):
         )
 
     def _take_over(
-        self, record: OperationRecord, owner: str, lease: timedelta, possibly_sent: bool
+        self,
+        record: OperationRecord,
+        new: NewOperation,
+        owner: str,
+        lease: timedelta,
+        possibly_sent: bool,
     ) -> ClaimResult:
         """Run a released operation again under this claim: the lease and the attempt to
-        come, fenced by version (one of several racing requests wins)."""
+        come, fenced by version (one of several racing requests wins). The request stored
+        is this one (same fingerprint; what is sent now). Another provider is refused: the
+        namespace's key may already be known to the first one (a claim lost in a failover),
+        and a second acquirer would be a second charge."""
+        if new.provider != record.provider:
+            raise IdempotencyKeyReused(
+                f"idempotency key {new.idempotency_key!r} was first used with provider "
+                f"{record.provider!r}, not {new.provider!r}; nothing was executed",
+                operation_id=record.id,
+            )
         taken = self.transition(
             record,
             State.IN_PROGRESS,
@@ -184,6 +184,7 @@ class Store(Reads, Replays, WorkQueue):
             lease_owner=owner,
             possibly_sent=possibly_sent,
             attempts_delta=1 if possibly_sent else 0,
+            request=dict(new.request) if new.request is not None else None,
         )
         return ClaimResult(operation=taken, created=True)
 
@@ -273,7 +274,7 @@ class Store(Reads, Replays, WorkQueue):
                 remaining = (existing.lease_expires_at - found["_now"]).total_seconds()
             # Conflicts go to the operation's log (stats, audit); replays are only counted
             # on the row (replays, last_replayed_at), never logged one by one.
-            noted = _duplicate_kind(existing, new)
+            noted = duplicate_kind(existing, new)
             if noted == "replayed" and not counted:
                 # It became terminal between the two reads (PostgreSQL reads each statement
                 # afresh): count this replay too.
@@ -295,7 +296,7 @@ class Store(Reads, Replays, WorkQueue):
             record, created, lease_remaining = run_in_transaction(self.engine, txn)
         except CommitUncertain as exc:
             if not attempted or attempted[0][1]:
-                raise _claim_uncertain(new, op_id) from exc
+                raise claim_uncertain(new, op_id) from exc
             # Someone else's operation holds the namespace; only our audit event is in doubt.
             record, created, lease_remaining = attempted[0]
         if created:
@@ -322,7 +323,7 @@ class Store(Reads, Replays, WorkQueue):
                     possibly_sent=possibly_sent,
                 )
             except CommitUncertain as exc:
-                raise _claim_uncertain(new, op_id) from exc
+                raise claim_uncertain(new, op_id) from exc
             if found is not None:
                 break
             # A racing duplicate committed the namespace after our snapshot was taken: we
@@ -332,7 +333,7 @@ class Store(Reads, Replays, WorkQueue):
         kind, record, now = found
         if kind == PG_CLAIMED:
             return record, True, 0.0
-        noted = _duplicate_kind(record, new)
+        noted = duplicate_kind(record, new)
         if kind == PG_EXISTING and noted == "replayed":
             return None  # terminal, yet not counted (reaped meanwhile?): judge it afresh
         remaining = 0.0
@@ -407,6 +408,7 @@ class Store(Reads, Replays, WorkQueue):
         next_check_in: timedelta | None = None,
         provider_reference: str | None = None,
         response: Mapping[str, Any] | None = _UNSET,
+        request: Mapping[str, Any] | None = _UNSET,
         error_code: str | None = _UNSET,
         resolution: str | None = _UNSET,
         possibly_sent: bool = _UNSET,
@@ -430,6 +432,7 @@ class Store(Reads, Replays, WorkQueue):
             plain["provider_reference"] = provider_reference
         for name, value in (
             ("response", response),
+            ("request", request),
             ("error_code", error_code),
             ("resolution", resolution),
             ("possibly_sent", possibly_sent),
@@ -577,24 +580,3 @@ class Store(Reads, Replays, WorkQueue):
 
     def _insert(self, table: sa.Table) -> Any:
         return postgresql.insert(table) if self.is_postgres else sqlite.insert(table)
-
-
-def _claim_uncertain(new: NewOperation, op_id: str) -> CommitUncertain:
-    # Our claim may be durable: the operation may exist, and the reconciler may send it.
-    # Only a retry with the same key can tell, never a new key.
-    return CommitUncertain(
-        f"the claim of idempotency key {new.idempotency_key!r} may have committed "
-        f"as operation {op_id}; retry with the same key later",
-        operation_id=op_id,
-        retry_after=1.0,
-    )
-
-
-def _duplicate_kind(existing: OperationRecord, new: NewOperation) -> str | None:
-    if existing.reaped_at is not None:
-        return "expired_key_used"
-    if existing.fingerprint != new.fingerprint:
-        return "key_reused"
-    if existing.terminal:
-        return "replayed"
-    return None

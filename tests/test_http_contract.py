@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from payorch import errors
+from payorch.claims import IN_PROGRESS_RETRY_CAP
 from payorch.core import MAX_KEY_LENGTH, State
 from payorch.errors import (
     InvalidIdempotencyKey,
@@ -41,7 +42,7 @@ from payorch.http import (
 from payorch.operations import default_registry
 from payorch.outcome import Outcome
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.store import IN_PROGRESS_RETRY_CAP, Store
+from payorch.store import Store
 from payorch.tables import operations
 from payorch.webhooks import WebhookHandler, WebhookResult, WebhookStatus
 
@@ -338,12 +339,13 @@ ROWS: list[tuple[str, Outcome, int, dict[str, str], str | None]] = [
         None,
     ),
     (
-        # Stored before 0003 reopened such rows: even then, never a new key.
-        "nothing sent, stored",
+        # Stored by an earlier version (nothing sent is released now): its client was told
+        # to use a new key, so the key stays closed: final, never a 503 that loops.
+        "nothing sent, stored earlier",
         outcome(State.FAILED_FINAL, code="provider_unavailable", http_status=503),
-        503,
-        {"Retry-After": "5"},
-        "same_key",
+        402,
+        {},
+        None,
     ),
     ("unknown", outcome(State.OUTCOME_UNKNOWN), 202, {"Location": "/ops/op-1"}, "same_key"),
     ("taken over", outcome(State.IN_PROGRESS), 409, {"Retry-After": "1"}, "same_key"),

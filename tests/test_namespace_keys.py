@@ -27,12 +27,16 @@ from payorch.core import (
     operation_id_from_downstream_key,
 )
 from payorch.errors import (
+    ConfigurationError,
     IdempotencyKeyReused,
     InvalidIdempotencyKey,
     ProviderUnavailable,
 )
 from payorch.executor import Executor, RetryPolicy
+from payorch.flights import Flights
 from payorch.http import SAME_KEY, http_answer
+from payorch.operations import default_registry
+from payorch.outcome import Outcome
 from payorch.provider import SubmitRequest, provider_tags
 from payorch.providers.sandbox import SandboxServer
 from payorch.reconciler import Reconciler
@@ -248,40 +252,52 @@ def test_submit_request_tags_are_what_the_sandbox_receives(
     assert {k: v for k, v in effect["metadata"].items() if k.startswith("payorch_")} == expected
 
 
-def test_the_migration_reopens_not_sent_failures_stored_before(tmp_path: Any) -> None:
+def test_the_migration_unquotes_stored_keys_and_keeps_old_failures_closed(tmp_path: Any) -> None:
     url = f"sqlite:///{tmp_path / 'old.db'}"
     migrate.upgrade(url, "payorch_0002")
     engine = sa.create_engine(url)
-    row = {
+    base = {
         "tenant_id": "shop",
-        "id": "018f0000-0000-7000-8000-000000000001",
         "operation": "payment.create",
-        "idempotency_key": "k-old",
         "fingerprint": "f" * 64,
-        "state": "failed_final",
+        "state": "succeeded",
         "provider": "sandbox",
-        "downstream_key": "payorch:018f0000-0000-7000-8000-000000000001:submit",
-        "response": '{"status": "failed", "http_status": 503}',
-        "error_code": "provider_unavailable",
         "retention_seconds": 86400,
-        "possibly_sent": False,
-        "attempts": 4,
+        "possibly_sent": True,
+        "attempts": 1,
         "checks": 0,
         "needs_attention": False,
-        "version": 3,
+        "version": 2,
         "created_at": "2026-11-30 10:00:00.000000",
         "updated_at": "2026-11-30 10:00:01.000000",
-        "completed_at": "2026-11-30 10:00:01.000000",
-        "retain_until": "2026-12-01 10:00:01.000000",
     }
-    declined = {
-        **row,
-        "id": "018f0000-0000-7000-8000-000000000002",
-        "idempotency_key": "k-declined",
-        "error_code": "card_declined",
-    }
+
+    def row(n: int, key: str, **values: Any) -> dict[str, Any]:
+        op_id = f"018f0000-0000-7000-8000-00000000000{n}"
+        return {
+            **base,
+            "id": op_id,
+            "idempotency_key": key,
+            "downstream_key": f"payorch:{op_id}:submit",
+            **values,
+        }
+
+    rows = [
+        row(1, '"abc-19"'),  # stored quoted by a service that passed the raw header
+        row(2, '"dup"'),  # both forms already hold an operation: the old duplicate
+        row(3, "dup"),
+        row(4, '"not-sf'),  # a key that merely begins with a quote
+        row(
+            5,
+            "k-old",
+            state="failed_final",
+            possibly_sent=False,
+            error_code="provider_unavailable",
+            response='{"status": "failed", "http_status": 503, "code": "provider_unavailable"}',
+        ),
+    ]
     with engine.begin() as conn:
-        for values in (row, declined):
+        for values in rows:
             cols = ", ".join(values)
             marks = ", ".join(f":{k}" for k in values)
             conn.execute(
@@ -291,9 +307,122 @@ def test_the_migration_reopens_not_sent_failures_stored_before(tmp_path: Any) ->
     migrate.upgrade(url)
     store = Store.from_url(url)
     try:
-        reopened = store.get("shop", row["id"])
-        assert reopened.released and reopened.version == 4 and reopened.response is None
-        assert [e.kind for e in store.events("shop", row["id"])] == ["reopened"]
-        assert store.get("shop", declined["id"]).state is State.FAILED_FINAL  # a decline stays
+        first = store.get("shop", rows[0]["id"])
+        assert first.idempotency_key == "abc-19"
+        assert first.downstream_key == rows[0]["downstream_key"]  # what the provider saw
+        assert store.get_by_namespace("shop", "payment.create", '"abc-19"').id == first.id
+        assert store.get("shop", rows[1]["id"]).needs_attention
+        assert store.get("shop", rows[1]["id"]).idempotency_key == '"dup"'
+        assert store.get("shop", rows[3]["id"]).idempotency_key == '"not-sf'
+        old = store.get("shop", rows[4]["id"])
+        assert old.state is State.FAILED_FINAL  # stays closed: its client was told new_key
+        answer = http_answer(Outcome.from_record(old, replayed=True))
+        assert answer.status == 402 and "retry" not in answer.body
     finally:
         store.close()
+
+
+# -- taking a released operation over ---------------------------------------------------------
+
+
+def _released(store: Store, new: NewOperation) -> NewOperation:
+    claim = store.claim(new, owner="first", lease=timedelta(seconds=30), possibly_sent=True)
+    store.transition(
+        claim.operation,
+        State.IN_PROGRESS,
+        kind="not_sent",
+        actor="first",
+        possibly_sent=False,
+        response={"status": "not_sent", "code": "rate_limited", "retry_after": 2.0},
+    )
+    return new
+
+
+def _new(**values: Any) -> NewOperation:
+    fields: dict[str, Any] = {
+        "tenant_id": "shop",
+        "operation": "payment.create",
+        "idempotency_key": "order-over",
+        "fingerprint": "f" * 64,
+        "provider": "sandbox",
+        "request": {"amount": 5, "currency": "EUR", "description": "first"},
+        **values,
+    }
+    return NewOperation(**fields)
+
+
+def test_a_released_operation_is_not_taken_over_for_another_provider(store: Store) -> None:
+    _released(store, _new())
+    with pytest.raises(IdempotencyKeyReused) as caught:
+        store.claim(_new(provider="other"), owner="second", lease=timedelta(seconds=30))
+    assert "sandbox" in caught.value.message
+    record = store.get_by_namespace("shop", "payment.create", "order-over")
+    assert record.released and record.provider == "sandbox"
+
+
+def test_a_take_over_stores_the_request_it_sends(store: Store) -> None:
+    _released(store, _new())
+    later = _new(request={"amount": 5, "currency": "EUR", "description": "second"})
+    taken = store.claim(later, owner="second", lease=timedelta(seconds=30), possibly_sent=True)
+    assert taken.created and taken.operation.lease_owner == "second"
+    assert taken.operation.request == later.request
+    assert taken.operation.possibly_sent and taken.operation.attempts == 2
+
+
+def test_joiners_of_a_leader_that_found_the_provider_unavailable_get_its_answer(
+    executor: Executor,
+) -> None:
+    flights = Flights()
+    namespace = ("shop", "payment.create", "k")
+    flight, leading = flights.lead_or_join(namespace, "f" * 64, may_join=True)
+    joined, joining = flights.lead_or_join(namespace, "f" * 64, may_join=True)
+    assert leading and not joining and joined is flight
+    said = ProviderUnavailable("nothing sent", operation_id="op-1", retry_after=7.0, code="x")
+    flights.land(namespace, flight, None, said)
+    sync = getattr(executor, "_sync", executor)  # the async driver's sync core
+    with pytest.raises(ProviderUnavailable) as caught:
+        sync._join(flight, timedelta(seconds=5))
+    assert caught.value is not said  # a copy per joiner
+    assert (caught.value.operation_id, caught.value.retry_after, caught.value.code) == (
+        "op-1",
+        7.0,
+        "x",
+    )
+
+
+# -- an installation's key scope --------------------------------------------------------------
+
+
+def test_a_key_scope_sets_installations_apart_and_comes_from_the_environment(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain = namespace_ref("shop", "payment.create", "k")
+    assert namespace_ref("shop", "payment.create", "k", "eu-1") != plain
+    assert namespace_ref("shop", "payment.create", "k", "eu-1") != namespace_ref(
+        "shop", "payment.create", "k", "us-1"
+    )
+    monkeypatch.setenv("PAYORCH_KEY_SCOPE", "eu-1")
+    ex = Executor(store=store, providers=[], registry=default_registry("sandbox"))
+    assert ex.key_scope == "eu-1"
+    assert Executor(store=store, providers=[], key_scope="").key_scope == ""
+    monkeypatch.setenv("PAYORCH_KEY_SCOPE", "not ok")
+    with pytest.raises(ConfigurationError):
+        Executor(store=store, providers=[])
+
+
+def test_scoped_executors_send_scoped_keys(
+    store: Store, sandbox: SandboxServer, sandbox_provider: Any
+) -> None:
+    ex = Executor(
+        store=store,
+        providers=[sandbox_provider],
+        registry=default_registry("sandbox"),
+        key_scope="eu-1",
+    )
+    outcome = run(ex, "order-scoped")
+    record = store.get("shop", outcome.operation_id)
+    ref = namespace_ref("shop", "payment.create", "order-scoped", "eu-1")
+    assert record.downstream_key == downstream_key(ref)
+    (effect,) = sandbox.ledger()
+    assert effect["idempotency_key"] == record.downstream_key
+    assert effect["metadata"]["payorch_ref"] == ref

@@ -1,5 +1,5 @@
-"""Look-up by downstream key (keys now come from the namespace), and stored "nothing sent"
-failures reopened (a transient failure is no longer an answer to its key).
+"""Look-up by downstream key (keys now come from the namespace), and keys stored in their
+quoted sf-string form rewritten to the bare form execute() now reads them as.
 
 Revision ID: payorch_0003
 Revises: payorch_0002
@@ -8,128 +8,76 @@ Create Date: 2026-12-08
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 import sqlalchemy as sa
-import uuid6
 from alembic import op
+
+from payorch.core import canonical_idempotency_key
+from payorch.errors import InvalidIdempotencyKey
 
 revision = "payorch_0003"
 down_revision = "payorch_0002"
 branch_labels = None
 depends_on = None
 
-# The codes payorch stored for a failed_final whose every attempt was certainly not sent.
-NOT_SENT_CODES = ("provider_unavailable", "provider_auth_failed", "abandoned")
-
 
 def upgrade() -> None:
-    op.create_index(
-        "ix_payorch_operations_downstream",
-        "payorch_operations",
-        ["tenant_id", "provider", "downstream_key"],
-    )
-    _reopen_not_sent()
+    if op.get_bind().dialect.name == "postgresql":
+        # Built without blocking the claims of a live table; CONCURRENTLY needs autocommit.
+        with op.get_context().autocommit_block():
+            op.create_index(
+                "ix_payorch_operations_downstream",
+                "payorch_operations",
+                ["tenant_id", "provider", "downstream_key"],
+                postgresql_concurrently=True,
+            )
+    else:
+        op.create_index(
+            "ix_payorch_operations_downstream",
+            "payorch_operations",
+            ["tenant_id", "provider", "downstream_key"],
+        )
+    _unquote_keys()
 
 
-def _reopen_not_sent() -> None:
-    """Each stored not-sent failure becomes released (in_progress, no lease, nothing sent),
-    with an event saying why: the client's next request under its key runs it again, as
-    today's payorch does for a new one. No money moved for any of them."""
+def _unquote_keys() -> None:
+    """A key stored as ``"abc"`` (a service that passed the raw header to execute()) is
+    stored as ``abc``, so the client's retry finds its operation instead of claiming a
+    second one under another downstream key. Its own downstream key is kept (what the
+    provider saw). Where both forms already hold an operation, both stay and the quoted
+    one is flagged: that pair was the duplicate this migration prevents from now on."""
     conn = op.get_bind()
     ops = sa.table(
         "payorch_operations",
-        *(
-            sa.column(n)
-            for n in (
-                "tenant_id",
-                "id",
-                "state",
-                "possibly_sent",
-                "error_code",
-                "reaped_at",
-                "version",
-                "response",
-                "resolution",
-                "lease_owner",
-                "lease_expires_at",
-                "next_check_at",
-                "completed_at",
-                "retain_until",
-                "updated_at",
-            )
-        ),
-    )
-    events = sa.table(
-        "payorch_events",
-        *(
-            sa.column(n)
-            for n in (
-                "tenant_id",
-                "id",
-                "operation_id",
-                "kind",
-                "actor",
-                "from_state",
-                "to_state",
-                "version",
-                "created_at",
-            )
-        ),
-        sa.column("detail", sa.JSON),
+        sa.column("tenant_id"),
+        sa.column("id"),
+        sa.column("operation"),
+        sa.column("idempotency_key"),
+        sa.column("needs_attention", sa.Boolean),
     )
     c = ops.c
-    rows = conn.execute(
-        sa.select(c.tenant_id, c.id, c.version, c.error_code).where(
-            c.state == "failed_final",
-            c.possibly_sent == sa.false(),
-            c.error_code.in_(NOT_SENT_CODES),
-            c.reaped_at.is_(None),
+    quoted = conn.execute(
+        sa.select(c.tenant_id, c.id, c.operation, c.idempotency_key).where(
+            c.idempotency_key.like('"%')
         )
     ).all()
-    now = datetime.now(UTC)
-    if conn.dialect.name == "sqlite":
-        now = now.replace(tzinfo=None)  # as payorch's UTCDateTime stores it there
-    for tenant_id, op_id, version, code in rows:
-        done = conn.execute(
-            sa.update(ops)
-            .where(c.tenant_id == tenant_id, c.id == op_id, c.version == version)
-            .values(
-                state="in_progress",
-                version=version + 1,
-                response=None,
-                resolution=None,
-                lease_owner=None,
-                lease_expires_at=None,
-                next_check_at=None,
-                completed_at=None,
-                retain_until=None,
-                updated_at=now,
+    for tenant_id, op_id, operation, key in quoted:
+        try:
+            bare = canonical_idempotency_key(key)
+        except InvalidIdempotencyKey:
+            continue  # not an sf-string: a key that merely begins with a quote stays as it is
+        taken = conn.execute(
+            sa.select(c.id).where(
+                c.tenant_id == tenant_id, c.operation == operation, c.idempotency_key == bare
             )
-        )
-        if done.rowcount != 1:
-            continue
-        detail = {
-            "reason": "nothing was sent: no longer stored as the key's outcome",
-            "error_code": code,
-        }
-        conn.execute(
-            sa.insert(events).values(
-                tenant_id=tenant_id,
-                id=str(uuid6.uuid7()),
-                operation_id=op_id,
-                kind="reopened",
-                actor="migration:payorch_0003",
-                from_state="failed_final",
-                to_state="in_progress",
-                version=version + 1,
-                detail=detail,
-                created_at=now,
-            )
-        )
+        ).first()
+        where = (c.tenant_id == tenant_id, c.id == op_id)
+        if taken is None:
+            conn.execute(sa.update(ops).where(*where).values(idempotency_key=bare))
+        else:
+            conn.execute(sa.update(ops).where(*where).values(needs_attention=True))
 
 
 def downgrade() -> None:
-    # Reopened operations stay released: no earlier revision stores anything different for
-    # them that could be restored, and nothing sent means nothing to undo.
+    # Unquoted keys stay bare: the earlier revision read both forms as two keys, and either
+    # spelling reaches these operations from a client of today.
     op.drop_index("ix_payorch_operations_downstream", table_name="payorch_operations")

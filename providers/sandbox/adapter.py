@@ -264,7 +264,11 @@ class SandboxProvider:
         payload = dict(request.payload)
         extra = payload.get("metadata")
         metadata = dict(extra) if isinstance(extra, Mapping) else {}
-        metadata.update(request.tags)  # from the namespace alone, as the downstream key
+        tags = request.tags  # from the namespace alone, as the downstream key
+        if TAG_LEGACY_OPERATION_ID in tags:
+            # Claimed before keys came from the namespace: what its first request carried.
+            tags = {"operation_id": request.operation_id, "tenant_id": request.tenant_id}
+        metadata.update(tags)
         payload["metadata"] = metadata
         return client.build_request(
             "POST",
@@ -429,9 +433,7 @@ class SandboxProvider:
             downstream_key=_str_or_none(effect.get("idempotency_key")),
             # Effects made before keys came from the namespace carry payorch's operation id.
             operation_id=(
-                _str_or_none(metadata.get(TAG_LEGACY_OPERATION_ID))
-                if isinstance(metadata, dict)
-                else None
+                _str_or_none(metadata.get("operation_id")) if isinstance(metadata, dict) else None
             ),
             occurred_at=occurred_at,
             body=event,

@@ -200,7 +200,7 @@ class SandboxServer:
             e
             for e in self.ledger()
             if key in (e["idempotency_key"], e["metadata"].get("payorch_ref"))
-            or e["metadata"].get("payorch_operation_id") == key
+            or e["metadata"].get("operation_id") == key
         ]
 
     def requests(self) -> list[dict[str, Any]]:

@@ -326,7 +326,7 @@ def _list_intents(query: StatusQuery, window: timedelta | None) -> Flow:
             status_code=reply.status,
             message=(
                 f"Search is unavailable; no PaymentIntent created between {start} and {end} "
-                "carries this operation id"
+                "carries this operation's tag"
             ),
             body=body,
         )
@@ -352,7 +352,7 @@ def _list_refunds(query: StatusQuery, intent: str) -> Flow:
         return Answer(
             kind=AnswerKind.NOT_FOUND,
             status_code=reply.status,
-            message=f"no refund of {intent} carries this operation id",
+            message=f"no refund of {intent} carries this operation's tag",
             body=body,
         )
     return Answer(

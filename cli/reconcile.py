@@ -15,7 +15,7 @@ from .runtime import DatabaseUrl, JsonFlag, err, open_store, out, reconciler, se
 if TYPE_CHECKING:
     from payorch.reconciler import Reconciler, ReconcileReport
     from payorch.settings import Settings
-    from payorch.unexplained import UnexplainedWatch
+    from payorch.unexplained_watch import UnexplainedWatch
 
 __all__ = ["reconcile_app", "unexplained_watch"]
 
@@ -164,7 +164,8 @@ def unexplained_watch(rec: Reconciler, config: Settings) -> UnexplainedWatch | N
     from payorch.errors import UnknownProvider
     from payorch.operations import default_registry
     from payorch.provider import EffectLister
-    from payorch.unexplained import UnexplainedWatch, lister_of
+    from payorch.unexplained import lister_of
+    from payorch.unexplained_watch import UnexplainedWatch
 
     names = [n.strip() for n in config.unexplained_providers.split(",") if n.strip()]
     unknown = [n for n in names if n not in rec.providers]

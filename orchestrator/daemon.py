@@ -43,7 +43,7 @@ from .reconciler import Reconciler, ReconcileReport
 from .replication import ENV_STRICT, Status
 
 if TYPE_CHECKING:
-    from .unexplained import UnexplainedWatch
+    from .unexplained_watch import UnexplainedWatch
 
 __all__ = ["MonitorServer", "ReconcilerDaemon", "parse_address"]
 

@@ -121,7 +121,8 @@ def check_resolvable(record: OperationRecord, now: datetime) -> None:
         )
 
 
-def _required(value: str | None, name: str, limit: int, action: str = "a resolution") -> str:
+def required_text(value: str | None, name: str, limit: int, action: str = "a resolution") -> str:
+    """``value`` stripped; ``InvalidRequest`` when empty or over ``limit`` (audit fields)."""
     text = (value or "").strip()
     if not text:
         raise InvalidRequest(f"{action} needs a non-empty {name}")
@@ -146,8 +147,8 @@ def resolve(
     ``expected_version`` makes the decision apply only to the operation as the operator saw
     it (e.g. when it was shown for confirmation).
     """
-    reason = _required(reason, "reason", MAX_REASON)
-    actor = _required(actor, "actor", MAX_ACTOR)
+    reason = required_text(reason, "reason", MAX_REASON)
+    actor = required_text(actor, "actor", MAX_ACTOR)
     if not to.terminal:
         raise InvalidRequest(f"an operator resolves to succeeded or failed_final, not {to.value}")
     reference = provider_reference.strip() if provider_reference else None
@@ -228,7 +229,7 @@ def recheck(
     actor: str = "operator",
 ) -> RecheckResult:
     """Ask the provider now and apply the evidence, exactly as the reconciler would."""
-    actor = _required(actor, "actor", MAX_ACTOR)
+    actor = required_text(actor, "actor", MAX_ACTOR)
     record, now = load(store, tenant_id, operation_id)
     if record.terminal:
         raise InvalidTransition(
@@ -296,8 +297,8 @@ def acknowledge(
     acknowledgement apply only to the operation as the operator saw it: evidence that
     arrived in between (a new flag) is refused with ``StaleVersion``, to be looked at first.
     """
-    reason = _required(reason, "reason", MAX_REASON, "an acknowledgement")
-    actor = _required(actor, "actor", MAX_ACTOR, "an acknowledgement")
+    reason = required_text(reason, "reason", MAX_REASON, "an acknowledgement")
+    actor = required_text(actor, "actor", MAX_ACTOR, "an acknowledgement")
     record, _ = load(store, tenant_id, operation_id)
     if expected_version is not None and record.version != expected_version:
         raise StaleVersion(

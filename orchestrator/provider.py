@@ -15,7 +15,7 @@ import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
 
 import httpx
@@ -54,6 +54,7 @@ __all__ = [
     "payorch_tags_of",
     "provider_tags",
     "send_with_deadline",
+    "unix_time",
 ]
 
 RAW_EVIDENCE_LIMIT = 4096  # bytes of a raw provider body kept as evidence
@@ -389,6 +390,17 @@ def call_budget(timeout: httpx.Timeout) -> timedelta:
     if any(p is None for p in phases):
         raise ValueError("every httpx time-out phase must be set explicitly")
     return timedelta(seconds=sum(float(p) for p in phases if p is not None))
+
+
+def unix_time(value: object) -> datetime | None:
+    """A provider's Unix timestamp (seconds) as an aware UTC datetime; None when it is not
+    one or is out of range (a provider's ``created``: evidence, never trusted blindly)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        return datetime.fromtimestamp(value, tz=UTC)
+    except (OverflowError, OSError, ValueError):
+        return None
 
 
 def bounded_raw(text: str | bytes | None) -> str | None:

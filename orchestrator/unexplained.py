@@ -31,14 +31,12 @@ adopted: a retry could not be told from another request under the key.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import re
-from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
+from datetime import datetime, timedelta
 from typing import Any
 
 from . import logs
@@ -56,10 +54,10 @@ from .errors import (
     InvalidRequest,
     ListingUnsupported,
     OperationNotFound,
-    PayorchError,
     StaleVersion,
 )
 from .operations import MONEY_RETENTION, Registry
+from .operator import required_text
 from .outcome import Decision, decide
 from .provider import (
     TAG_FINGERPRINT,
@@ -75,13 +73,13 @@ from .provider import (
 )
 from .records import NewOperation, OperationRecord
 from .store import Store
+from .unexplained_findings import Finding, ScanReport, Skipped, Verdict
 
 __all__ = [
     "ADOPTED_EVENT",
     "Finding",
     "ScanReport",
     "Skipped",
-    "UnexplainedWatch",
     "Verdict",
     "adopt",
     "adoption_refusal",
@@ -103,89 +101,6 @@ _ADOPT_ATTEMPTS = 3  # a namespace that keeps changing under an adoption: then l
 NOTHING_SENT = "its operation says nothing was sent"
 
 log = logging.getLogger("payorch.unexplained")
-
-
-class Verdict(enum.StrEnum):
-    EXPLAINED = "explained"  # an operation of its tenant knows it
-    UNEXPLAINED = "unexplained"  # none does
-    ADOPTED = "adopted"  # none did: this scan adopted it
-
-
-@dataclass(frozen=True, kw_only=True)
-class Finding:
-    """What one listed effect of payorch's is, in the store's eyes."""
-
-    provider: str
-    effect: ProviderEffect
-    verdict: Verdict
-    # The operation that explains it, was adopted for it, or holds its namespace released.
-    operation_id: str | None = None
-    explained_by: str | None = None  # namespace, downstream_key, reference, operation_id
-    refusal: str | None = None  # why an unexplained one cannot be adopted
-    # Its namespace's operation is released (NOTHING_SENT), so it does not explain the
-    # effect; for an adopted one: that operation was moved to the effect's outcome.
-    nothing_sent: bool = False
-    note: str | None = None  # why an adoption ended without adopting it
-
-    @property
-    def adoptable(self) -> bool:
-        return self.verdict is Verdict.UNEXPLAINED and self.refusal is None
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "provider": self.provider,
-            "verdict": self.verdict.value,
-            "operation_id": self.operation_id,
-            "explained_by": self.explained_by,
-            "adoptable": self.adoptable,
-            "refusal": self.refusal,
-            "nothing_sent": self.nothing_sent,
-            "note": self.note,
-            "effect": self.effect.evidence(),
-        }
-
-
-@dataclass(frozen=True, kw_only=True)
-class Skipped:
-    """An effect under payorch's tags that is not this installation's (another key scope)."""
-
-    provider: str
-    effect: ProviderEffect
-    reason: str
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "provider": self.provider,
-            "reference": self.effect.provider_reference,
-            "reason": self.reason,
-            "tags": dict(self.effect.tags),
-        }
-
-
-@dataclass(kw_only=True)
-class ScanReport:
-    """One listing checked: every effect of payorch's, and how many were someone else's."""
-
-    provider: str
-    since: datetime
-    until: datetime
-    listed: int = 0
-    # Effects without payorch's tags, and those under another installation's key scope
-    # (also in ``skipped``, with the reason): not judged.
-    not_ours: int = 0
-    findings: list[Finding] = field(default_factory=list)
-    skipped: list[Skipped] = field(default_factory=list)
-
-    def counts(self) -> dict[str, int]:
-        found = Counter(f.verdict.value for f in self.findings)
-        refused = sum(1 for f in self.findings if f.refusal is not None)
-        return {
-            "listed": self.listed,
-            "not_ours": self.not_ours,
-            "other_scope": len(self.skipped),
-            **{v.value: found.get(v.value, 0) for v in Verdict},
-            "not_adoptable": refused,
-        }
 
 
 def lister_of(provider: object) -> EffectLister:
@@ -430,15 +345,6 @@ def _held_refusal(held: OperationRecord, new: NewOperation) -> str | None:
 # -- adopting ------------------------------------------------------------------------------
 
 
-def _required(value: str | None, name: str, limit: int) -> str:
-    text = (value or "").strip()
-    if not text:
-        raise InvalidRequest(f"an adoption needs a non-empty {name}")
-    if len(text) > limit:
-        raise InvalidRequest(f"{name} is longer than {limit} characters")
-    return text
-
-
 def _new_operation(
     provider: str, effect: ProviderEffect, registry: Registry | None, scope: str
 ) -> NewOperation:
@@ -500,8 +406,8 @@ def adopt(
     derived under it. Raises ``InvalidRequest`` for a finding that is not adoptable or an
     empty actor or reason.
     """
-    actor = _required(actor, "actor", MAX_ACTOR)
-    reason = _required(reason, "reason", MAX_REASON)
+    actor = required_text(actor, "actor", MAX_ACTOR, "an adoption")
+    reason = required_text(reason, "reason", MAX_REASON, "an adoption")
     if finding.verdict is not Verdict.UNEXPLAINED:
         raise InvalidRequest(f"effect {finding.effect.provider_reference} is {finding.verdict}")
     effect = finding.effect
@@ -625,8 +531,8 @@ def scan(
     lister = lister_of(provider)
     scope = installation_scope(key_scope)
     if adopt_found:
-        actor = _required(actor, "actor", MAX_ACTOR)
-        reason = _required(reason, "reason", MAX_REASON)
+        actor = required_text(actor, "actor", MAX_ACTOR, "an adoption")
+        reason = required_text(reason, "reason", MAX_REASON, "an adoption")
     report = ScanReport(provider=lister.name, since=since, until=until)
     for effect in lister.list_effects(since, until):
         report.listed += 1
@@ -689,61 +595,3 @@ def _judge(
             refusal=f"it could not be judged: {exc.message}",
         )
     return finding
-
-
-@dataclass(kw_only=True)
-class UnexplainedWatch:
-    """The reconciler daemon's scheduled look (``PAYORCH_UNEXPLAINED_EVERY_SECONDS``): each
-    run lists the trailing ``window`` of every provider given, adopting when ``adopt``,
-    under ``key_scope`` (None: the environment's ``PAYORCH_KEY_SCOPE``, read once here, so a
-    bad one refuses start-up)."""
-
-    store: Store
-    providers: Sequence[EffectLister]
-    every: timedelta
-    window: timedelta
-    adopt: bool = False
-    actor: str = "reconciler"
-    reason: str = "adopted by the reconciler daemon's scheduled look (PAYORCH_UNEXPLAINED_ADOPT)"
-    registry: Registry | None = None
-    key_scope: str | None = None
-
-    def __post_init__(self) -> None:
-        self.key_scope = installation_scope(self.key_scope)
-
-    def run(self) -> list[ScanReport]:
-        """One look at each provider; a provider that fails is logged and skipped."""
-        until = datetime.now(UTC)
-        reports = []
-        for provider in self.providers:
-            try:
-                report = scan(
-                    self.store,
-                    provider,
-                    since=until - self.window,
-                    until=until,
-                    adopt_found=self.adopt,
-                    actor=self.actor,
-                    reason=self.reason,
-                    registry=self.registry,
-                    key_scope=self.key_scope,
-                )
-            except PayorchError as exc:  # the provider or the database is away: next run
-                logs.emit(
-                    log,
-                    logging.WARNING,
-                    "unexplained.skipped",
-                    provider=provider.name,
-                    error=exc.message,
-                )
-                continue
-            level = logging.WARNING if _left_unexplained(report) else logging.INFO
-            logs.emit(
-                log, level, "unexplained.scanned", provider=report.provider, **report.counts()
-            )
-            reports.append(report)
-        return reports
-
-
-def _left_unexplained(report: ScanReport) -> bool:
-    return any(f.verdict is not Verdict.EXPLAINED for f in report.findings)

@@ -53,7 +53,6 @@ from payorch.store import Store
 from payorch.tables import events, operations
 from payorch.unexplained import (
     Finding,
-    UnexplainedWatch,
     Verdict,
     adopt,
     adoption_refusal,
@@ -61,6 +60,7 @@ from payorch.unexplained import (
     not_ours,
     scan,
 )
+from payorch.unexplained_watch import UnexplainedWatch
 
 REGISTRY = default_registry("sandbox")
 PAYMENT = {"amount": 4200, "currency": "EUR", "customer": "cus_7", "payment_method": "pm_visa"}

@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -55,6 +55,7 @@ from payorch.provider import (
     parse_retry_after,
     payorch_tags_of,
     send_with_deadline,
+    unix_time,
 )
 
 __all__ = ["DEFAULT_TIMEOUT", "SandboxProvider"]
@@ -415,13 +416,7 @@ class SandboxProvider:
             raise WebhookMalformed(f"{event_type} event without an effect")
         effect: Mapping[str, Any] = data if isinstance(data, dict) else {}
         metadata = effect.get("metadata")
-        created = event.get("created")
-        occurred_at = None
-        if isinstance(created, int | float) and not isinstance(created, bool):
-            try:
-                occurred_at = datetime.fromtimestamp(created, tz=UTC)
-            except (OverflowError, OSError, ValueError):
-                occurred_at = None
+        occurred_at = unix_time(event.get("created"))
         event_id = headers.get("webhook-id") or _str_or_none(event.get("id"))
         if event_id is None:  # verify() requires webhook-id, so this is only defensive
             raise WebhookMalformed("webhook without an event id")
@@ -451,14 +446,9 @@ def _listed_effect(provider: str, item: object) -> ProviderEffect:
     entry: Mapping[str, Any] = item if isinstance(item, dict) else {}
     effect_id = _str_or_none(entry.get("id"))
     status = _str_or_none(entry.get("status"))
-    created = entry.get("created")
     amount = entry.get("amount")
-    created_at = None
-    if isinstance(created, int) and not isinstance(created, bool):
-        try:
-            created_at = datetime.fromtimestamp(created, tz=UTC)
-        except (OverflowError, OSError, ValueError):
-            created_at = None
+    created = entry.get("created")
+    created_at = unix_time(created) if isinstance(created, int) else None
     if effect_id is None or status is None or created_at is None:
         raise listing_failed(
             provider,

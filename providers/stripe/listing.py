@@ -29,6 +29,7 @@ from payorch.provider import (
     listing_failed,
     listing_range,
     payorch_tags_of,
+    unix_time,
 )
 
 from .classify import PAYMENT_CREATE, REFUND_CREATE, Reply, failure_answer, object_answer
@@ -161,12 +162,7 @@ def _effect(operation: str, item: Mapping[str, Any]) -> ProviderEffect | None:
         return None
     ident = item.get("id")
     created = item.get("created")
-    created_at = None
-    if isinstance(created, int) and not isinstance(created, bool):
-        try:
-            created_at = datetime.fromtimestamp(created, tz=UTC)
-        except (OverflowError, OSError, ValueError):
-            created_at = None
+    created_at = unix_time(created) if isinstance(created, int) else None
     if not isinstance(ident, str) or not STRIPE_ID.fullmatch(ident) or created_at is None:
         # Ours, yet unreadable: skipping it could hide the very effect looked for.
         raise listing_failed(

@@ -164,6 +164,29 @@ def effects_of(
     return sandbox.effects_for(store.get(tenant_id, operation_id).downstream_key)
 
 
+class Ledger:
+    """What a served stack's sandbox holds, by tenant or by operation (its ``sandbox`` and
+    ``engine``): the effects counted at the provider."""
+
+    sandbox: SandboxServer
+    engine: sa.Engine
+
+    def effects(self, tenant: str) -> list[dict[str, Any]]:
+        ledger = self.sandbox.ledger()
+        return [e for e in ledger if e["metadata"].get("payorch_tenant_id") == tenant]
+
+    def downstream_key(self, tenant: str, op_id: str) -> str:
+        """The key payorch sent the provider for the operation (stored on its row)."""
+        query = sa.select(operations.c.downstream_key).where(
+            operations.c.tenant_id == tenant, operations.c.id == op_id
+        )
+        with self.engine.connect() as conn:
+            return str(conn.execute(query).scalar_one())
+
+    def effects_of(self, tenant: str, op_id: str) -> list[dict[str, Any]]:
+        return self.sandbox.effects_for(self.downstream_key(tenant, op_id))
+
+
 @pytest.fixture
 def sandbox_provider(sandbox: SandboxServer) -> Iterator[SandboxProvider]:
     with SandboxProvider(

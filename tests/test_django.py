@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import sqlalchemy as sa
-from conftest import create_pg_database
+from conftest import Ledger, create_pg_database
 from django_server import DjangoServer
 
 from payorch import migrate
@@ -36,7 +36,7 @@ VIEWS = {
 
 
 @dataclass
-class Stack:
+class Stack(Ledger):
     url: str  # the Django server
     db_url: str
     sandbox: SandboxServer
@@ -51,21 +51,6 @@ class Stack:
         query = sa.select(webhook_inbox.c.result).where(webhook_inbox.c.tenant_id == tenant)
         with self.engine.connect() as conn:
             return [r.result for r in conn.execute(query)]
-
-    def effects(self, tenant: str) -> list[dict[str, Any]]:
-        ledger = self.sandbox.ledger()
-        return [e for e in ledger if e["metadata"].get("payorch_tenant_id") == tenant]
-
-    def downstream_key(self, tenant: str, op_id: str) -> str:
-        """The key payorch sent the provider for the operation (stored on its row)."""
-        query = sa.select(operations.c.downstream_key).where(
-            operations.c.tenant_id == tenant, operations.c.id == op_id
-        )
-        with self.engine.connect() as conn:
-            return str(conn.execute(query).scalar_one())
-
-    def effects_of(self, tenant: str, op_id: str) -> list[dict[str, Any]]:
-        return self.sandbox.effects_for(self.downstream_key(tenant, op_id))
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from test_replication import payorch as cli
 from typer.testing import CliRunner
 
 from payorch import db, sessions
@@ -35,7 +34,6 @@ from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.replication import Status, num_sync, strict_from_env
 from payorch.store import Store
 
-PAYORCH = Path(sys.executable).with_name("payorch")
 PAYMENT = {"amount": 1500, "currency": "EUR", "customer": "cus_1"}
 runner = CliRunner()
 
@@ -43,18 +41,6 @@ runner = CliRunner()
 def strict_store(url: str) -> Store:
     """A store that claims only while a synchronous standby streams."""
     return Store(create_engine(url), require_sync_standby=True)
-
-
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("PAYORCH_")}
-    return subprocess.run(
-        [str(PAYORCH), *args],
-        capture_output=True,
-        text=True,
-        env={**clean, **(env or {})},
-        timeout=60,
-        check=False,
-    )
 
 
 def one_line_error(done: subprocess.CompletedProcess[str]) -> str:

@@ -13,8 +13,8 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import pool
 
-from payorch.db import create_engine
 from payorch.migrate import VERSION_TABLE, ensure_schema
+from payorch.storage._engine import create_engine
 
 config = context.config
 if config.config_file_name is not None and config.attributes.get("configure_logging", True):

@@ -22,9 +22,9 @@ from psycopg.types.json import Json
 
 from payorch.core import State
 from payorch.errors import WebhookSignatureInvalid
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.provider import Answer, AnswerKind, StatusQuery, SubmitRequest, WebhookEvent
-from payorch.store import new_id
+from payorch.storage._store import new_id
 
 OPERATION = "payment.create"
 REQUEST: Mapping[str, Any] = {

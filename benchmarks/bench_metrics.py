@@ -14,9 +14,9 @@ import bench_execute as bx
 from report import Options, Report, _lat, _ops, _range, _table
 from rich.console import Console
 
-from payorch import metrics
 from payorch.core import State
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
+from payorch.observing import _metrics as metrics
 from payorch.provider import AnswerKind
 
 __all__ = ["SECTION", "bench_metrics", "print_metrics"]

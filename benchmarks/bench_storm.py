@@ -21,10 +21,10 @@ from rich.console import Console
 from rich.table import Table
 
 from payorch.core import State
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.operations import default_registry
 from payorch.provider import Answer, SubmitRequest
-from payorch.store import Store, new_id
+from payorch.storage._store import Store, new_id
 
 __all__ = ["StormResult", "print_storm", "run_storm"]
 

@@ -20,9 +20,9 @@ import bench_execute as bx
 from report import Options, Report, _lat, _ops, _range, _table
 from rich.console import Console
 
-from payorch import tracing
 from payorch.core import State
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
+from payorch.observing import _tracing as tracing
 from payorch.provider import Answer, AnswerKind, SubmitRequest
 
 __all__ = ["SECTION", "bench_tracing", "print_tracing"]

@@ -42,9 +42,9 @@ from bench_async import AsyncBench
 from report import Options, Report, print_report
 
 from payorch import migrate
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.operations import default_registry
-from payorch.store import Store
+from payorch.storage._store import Store
 
 TENANT = "bench-shop"
 DEFAULT_SIZES = "10000,100000,300000"

@@ -10,10 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .aio import AsyncExecutor, AsyncReconciler, AsyncWebhookHandler
-    from .async_store import AsyncStore
     from .core import State
-    from .daemon import ReconcilerDaemon
     from .errors import (
         CommitUncertain,
         ConfigurationError,
@@ -48,7 +45,8 @@ if TYPE_CHECKING:
         WebhookSignatureInvalid,
         WebhookUnstorable,
     )
-    from .executor import Executor, RetryPolicy
+    from .execution._async import AsyncExecutor
+    from .execution._executor import Executor, RetryPolicy
     from .http import (
         HttpAnswer,
         http_answer,
@@ -57,7 +55,7 @@ if TYPE_CHECKING:
         webhook_answer,
     )
     from .operations import OperationType, Registry, default_registry
-    from .outcome import Outcome
+    from .outcome import Outcome, WebhookResult, WebhookStatus
     from .provider import (
         Answer,
         AnswerKind,
@@ -67,20 +65,23 @@ if TYPE_CHECKING:
         SubmitRequest,
         WebhookEvent,
     )
-    from .reconciler import Reconciler, ReconcileReport, ReconcilerPolicy
+    from .reconciling._async import AsyncReconciler, AsyncWebhookHandler
+    from .reconciling._daemon import ReconcilerDaemon
+    from .reconciling._reconciler import Reconciler, ReconcileReport, ReconcilerPolicy
+    from .reconciling._webhooks import WebhookHandler
     from .records import ClaimResult, EventRecord, NewOperation, OperationRecord
     from .settings import Settings
-    from .store import Store
-    from .webhooks import WebhookHandler, WebhookResult, WebhookStatus
+    from .storage._async_store import AsyncStore
+    from .storage._store import Store
 
 _EXPORTS: dict[str, str] = {
     "Answer": "provider",
     "AnswerKind": "provider",
-    "AsyncExecutor": "aio",
+    "AsyncExecutor": "execution._async",
     "AsyncProvider": "provider",
-    "AsyncReconciler": "aio",
-    "AsyncStore": "async_store",
-    "AsyncWebhookHandler": "aio",
+    "AsyncReconciler": "reconciling._async",
+    "AsyncStore": "storage._async_store",
+    "AsyncWebhookHandler": "reconciling._async",
     "ClaimResult": "records",
     "CommitUncertain": "errors",
     "ConfigurationError": "errors",
@@ -88,7 +89,7 @@ _EXPORTS: dict[str, str] = {
     "DatabaseReadOnly": "errors",
     "DatabaseUnavailable": "errors",
     "EventRecord": "records",
-    "Executor": "executor",
+    "Executor": "execution._executor",
     "HttpAnswer": "http",
     "IdempotencyError": "errors",
     "IdempotencyKeyExpired": "errors",
@@ -109,33 +110,33 @@ _EXPORTS: dict[str, str] = {
     "Provider": "provider",
     "ProviderError": "errors",
     "ProviderIdempotencyError": "errors",
-    "ReconcileReport": "reconciler",
-    "Reconciler": "reconciler",
-    "ReconcilerDaemon": "daemon",
-    "ReconcilerPolicy": "reconciler",
+    "ReconcileReport": "reconciling._reconciler",
+    "Reconciler": "reconciling._reconciler",
+    "ReconcilerDaemon": "reconciling._daemon",
+    "ReconcilerPolicy": "reconciling._reconciler",
     "Registry": "operations",
     "RequestBodyNotJson": "errors",
     "RequestValidationFailed": "errors",
-    "RetryPolicy": "executor",
+    "RetryPolicy": "execution._executor",
     "Settings": "settings",
     "StaleVersion": "errors",
     "State": "core",
     "StateConflict": "errors",
     "StatusQuery": "provider",
     "StorageError": "errors",
-    "Store": "store",
+    "Store": "storage._store",
     "SyncStandbyUnavailable": "errors",
     "SubmitRequest": "provider",
     "UnencodableRequest": "errors",
     "UnknownOperationType": "errors",
     "UnknownProvider": "errors",
     "WebhookEvent": "provider",
-    "WebhookHandler": "webhooks",
+    "WebhookHandler": "reconciling._webhooks",
     "WebhookMalformed": "errors",
     "WebhookRejected": "errors",
-    "WebhookResult": "webhooks",
+    "WebhookResult": "outcome",
     "WebhookSignatureInvalid": "errors",
-    "WebhookStatus": "webhooks",
+    "WebhookStatus": "outcome",
     "WebhookUnstorable": "errors",
     "default_registry": "operations",
     "http_answer": "http",

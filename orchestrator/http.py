@@ -54,7 +54,7 @@ from .errors import (
 from .outcome import Outcome
 
 if TYPE_CHECKING:  # only the type: answering a webhook needs neither the store nor SQL
-    from .webhooks import WebhookResult
+    from .outcome import WebhookResult
 
 __all__ = [
     "IDEMPOTENCY_KEY_HEADER",

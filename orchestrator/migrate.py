@@ -22,8 +22,8 @@ from alembic.util.exc import CommandError
 from sqlalchemy import exc
 from sqlalchemy.engine import URL, Engine
 
-from .db import create_engine, map_db_error, normalise_url, schema_of
 from .errors import ConfigurationError, InvalidRequest
+from .storage._engine import create_engine, map_db_error, normalise_url, schema_of
 
 __all__ = [
     "BRANCH",

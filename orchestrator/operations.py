@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 from pydantic_core import PydanticSerializationError
 from pydantic_extra_types.currency_code import ISO4217
 
+from ._redaction import REDACTED, Redactor
 from .core import (
     canonical_idempotency_key,
     check_encodable,
@@ -41,7 +42,6 @@ from .errors import (
     UnknownOperationType,
 )
 from .records import NewOperation
-from .redaction import REDACTED, Redactor
 
 __all__ = [
     "DEFAULT_RETENTION",

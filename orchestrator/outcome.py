@@ -1,7 +1,9 @@
-"""What a caller gets back, and how a provider answer becomes a stored outcome (pure)."""
+"""What a caller gets back (an execution's :class:`Outcome`, a webhook delivery's
+:class:`WebhookResult`), and how a provider answer becomes a stored outcome (pure)."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,6 +17,8 @@ __all__ = [
     "REFUSED_BEFORE_SENDING",
     "Decision",
     "Outcome",
+    "WebhookResult",
+    "WebhookStatus",
     "contradicts",
     "decide",
     "final_state",
@@ -212,3 +216,27 @@ def late_conflict(state: State, reference: str | None, answer: Answer) -> str | 
     if final_state(answer.kind) is state and reference and other and other != reference:
         return f"the provider answered with {other}; the operation settled with {reference}"
     return None
+
+
+# -- what a webhook's delivery came to ------------------------------------------------------
+
+
+class WebhookStatus(enum.StrEnum):
+    APPLIED = "applied"  # moved the operation
+    RECORDED = "recorded"  # evidence kept, no state change (pending, or already that outcome)
+    DUPLICATE = "duplicate"  # this event id was handled before
+    CONFLICT = "conflict"  # contradicts a terminal state: flagged, never applied
+    UNMATCHED = "unmatched"  # no such operation: stored for review
+    IGNORED = "ignored"  # event type that does not move payments
+
+
+@dataclass(frozen=True, kw_only=True)
+class WebhookResult:
+    """What :meth:`~payorch.WebhookHandler.handle` made of one delivery; the app answers
+    ``http_status`` (200 unless payorch refused the event)."""
+
+    status: WebhookStatus
+    event_id: str
+    operation_id: str | None = None
+    state: State | None = None
+    http_status: int = 200

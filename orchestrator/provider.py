@@ -20,8 +20,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
+from ._deadline import DeadlineExceeded, asend_with_deadline, send_with_deadline
 from .core import is_namespace_key
-from .deadline import DeadlineExceeded, asend_with_deadline, send_with_deadline
 from .errors import InvalidRequest, ProviderListingFailed
 
 __all__ = [

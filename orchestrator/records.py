@@ -9,7 +9,7 @@ from typing import Any
 
 from .core import State, downstream_key, namespace_ref
 from .errors import CorruptRecord
-from .tables import Undecodable
+from .storage._tables import Undecodable
 
 __all__ = [
     "OPERATION_COLUMNS",

@@ -23,13 +23,13 @@ from hypothesis import HealthCheck, settings
 from pgcluster import Cluster, ClusterUnavailable
 
 from payorch import migrate
-from payorch.aio import AsyncExecutor
-from payorch.async_store import AsyncStore
-from payorch.executor import Executor
+from payorch.execution._async import AsyncExecutor
+from payorch.execution._executor import Executor
 from payorch.operations import default_registry
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.store import Store
-from payorch.tables import events, operations, webhook_inbox
+from payorch.storage._async_store import AsyncStore
+from payorch.storage._store import Store
+from payorch.storage._tables import events, operations, webhook_inbox
 
 # Hypothesis draws the same examples on every run, everywhere (not only in CI): seeded from
 # each test (derandomize), no example database carried from run to run, no per-example

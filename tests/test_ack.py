@@ -10,8 +10,7 @@ import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner, Result
 
-from payorch import operator
-from payorch.cli.app import app
+from payorch.cli._app import app
 from payorch.core import State
 from payorch.errors import (
     InvalidRequest,
@@ -21,9 +20,10 @@ from payorch.errors import (
     StaleVersion,
 )
 from payorch.operations import default_registry
+from payorch.reconciling import _operator as operator
 from payorch.records import OperationRecord
-from payorch.store import Store
-from payorch.tables import events, operations
+from payorch.storage._store import Store
+from payorch.storage._tables import events, operations
 
 REGISTRY = default_registry("sandbox")
 runner = CliRunner()

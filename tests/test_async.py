@@ -22,7 +22,7 @@ from test_deadline import GAP, SHORT, TRICKLE_TIMEOUT
 from test_stripe_adapter import OP_ID, PI_ID, payment_intent, query, search_result
 from test_webhooks import signed
 
-from payorch import AsyncExecutor, AsyncReconciler, AsyncStore, AsyncWebhookHandler
+from payorch import AsyncExecutor, AsyncReconciler, AsyncStore, AsyncWebhookHandler, WebhookStatus
 from payorch.core import State
 from payorch.errors import ConfigurationError, OperationInProgress
 from payorch.operations import default_registry
@@ -30,9 +30,8 @@ from payorch.outcome import Outcome
 from payorch.provider import Answer, AnswerKind, DeadlineExceeded, SubmitRequest
 from payorch.providers.sandbox import Fault, SandboxProvider, SandboxServer
 from payorch.providers.stripe import StripeProvider
-from payorch.reconciler import ReconcilerPolicy
-from payorch.store import Store
-from payorch.webhooks import WebhookStatus
+from payorch.reconciling._reconciler import ReconcilerPolicy
+from payorch.storage._store import Store
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 MONEY = ("succeeded", "processing")

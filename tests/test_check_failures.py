@@ -14,13 +14,13 @@ from typing import Any
 from conftest import FAST_TIMEOUT, RecordingSleep, age, effects_of, make_due
 
 from payorch.core import State
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.operations import default_registry
 from payorch.provider import Answer, StatusQuery, SubmitRequest
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.reconciler import Reconciler, ReconcilerPolicy
+from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
 from payorch.records import OperationRecord
-from payorch.store import Store
+from payorch.storage._store import Store
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 

@@ -19,20 +19,20 @@ import sqlalchemy as sa
 from conftest import effects_of
 from typer.testing import CliRunner, Result
 
-from payorch.cli import render
-from payorch.cli.app import app
-from payorch.cli.runtime import parse_duration
+from payorch.cli import _render as render
+from payorch.cli._app import app
+from payorch.cli._runtime import parse_duration
 from payorch.core import State, namespace_ref
 from payorch.errors import ProviderUnavailable
-from payorch.executor import Executor, RetryPolicy
+from payorch.execution._executor import Executor, RetryPolicy
 from payorch.operations import default_registry
 from payorch.provider import AnswerKind, SubmitRequest
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.providers.sandbox.faults import Fault
-from payorch.queries import stats
+from payorch.providers.sandbox._faults import Fault
 from payorch.records import OperationRecord
-from payorch.store import Store
-from payorch.tables import events, operations
+from payorch.storage._queries import stats
+from payorch.storage._store import Store
+from payorch.storage._tables import events, operations
 
 LIVE = timedelta(minutes=5)
 REGISTRY = default_registry("sandbox")
@@ -730,7 +730,7 @@ def test_effects_unexplained_on_a_provider_that_cannot_list_is_one_line(
     class SubmitsOnly:  # an adapter of the embedding app's, without list_effects
         name = "acquirer"
 
-    monkeypatch.setattr("payorch.cli.effects.build_providers", lambda _config: [SubmitsOnly()])
+    monkeypatch.setattr("payorch.cli._effects.build_providers", lambda _config: [SubmitsOnly()])
     result = run(db_url, "effects unexplained --provider acquirer --since 2024-05-01T00:00Z")
     assert result.exit_code == 1
     assert "'acquirer' cannot list its effects" in one_error_line(result)

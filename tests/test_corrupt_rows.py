@@ -15,16 +15,16 @@ import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner, Result
 
-from payorch.cli.app import app
+from payorch.cli._app import app
 from payorch.core import State
 from payorch.errors import CorruptRecord, StorageError
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.http import http_answer
 from payorch.operations import default_registry
-from payorch.reconciler import Reconciler, ReconcilerPolicy
+from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
 from payorch.records import EventRecord, NewOperation, OperationRecord
-from payorch.store import QUARANTINE_EVENT, Store
-from payorch.tables import db_now_plus, events, operations
+from payorch.storage._store import QUARANTINE_EVENT, Store
+from payorch.storage._tables import db_now_plus, events, operations
 
 REGISTRY = default_registry("sandbox")
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
@@ -356,7 +356,7 @@ def test_a_row_the_listener_cannot_read_leaves_it_serving_other_waiters(
     waiter's typed error (it reads for itself), and the listener goes on serving others."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from payorch import pg_writes
+    from payorch.storage import _pg_writes as pg_writes
 
     reads: list[str] = []
     real = pg_writes.reread_for

@@ -8,9 +8,9 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from payorch.db import create_engine, normalise_url, run_in_transaction, run_sql
 from payorch.errors import DatabaseUnavailable, InvalidRequest, StorageError
-from payorch.store import Store
+from payorch.storage._engine import create_engine, normalise_url, run_in_transaction, run_sql
+from payorch.storage._store import Store
 
 
 class _DriverError(Exception):

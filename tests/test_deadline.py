@@ -21,7 +21,7 @@ from conftest import FAST_TIMEOUT, RecordingSleep, effects_of, make_due
 
 from payorch.core import State
 from payorch.errors import ConfigurationError
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.operations import default_registry
 from payorch.provider import (
     AnswerKind,
@@ -32,8 +32,8 @@ from payorch.provider import (
 )
 from payorch.providers.sandbox import Fault, SandboxProvider, SandboxServer
 from payorch.providers.stripe import StripeProvider
-from payorch.reconciler import Reconciler, ReconcilerPolicy
-from payorch.store import Store
+from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
+from payorch.storage._store import Store
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 SHORT = timedelta(seconds=1)  # the call deadline under test
@@ -360,7 +360,7 @@ def _job(ran: list[threading.Thread], finished: threading.Event) -> Callable[[],
 
 
 def test_an_idle_worker_takes_the_next_call() -> None:
-    from payorch.deadline import _Workers
+    from payorch._deadline import _Workers
 
     workers = _Workers(keep=1, idle_for=60)
     idle = workers._idle = _Watched()
@@ -377,7 +377,7 @@ def test_an_idle_worker_takes_the_next_call() -> None:
 
 
 def test_workers_beyond_keep_or_idle_too_long_end() -> None:
-    from payorch.deadline import _Workers
+    from payorch._deadline import _Workers
 
     for workers in (_Workers(keep=0, idle_for=60), _Workers(keep=1, idle_for=0.01)):
         ran: list[threading.Thread] = []

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from payorch.cli.demo import attention_reasons
-from payorch.executor import Executor
+from payorch.cli._demo import attention_reasons
+from payorch.execution._executor import Executor
 from payorch.records import OperationRecord
-from payorch.store import Store
+from payorch.storage._store import Store
 
 PAYORCH = Path(sys.executable).parent / "payorch"
 

@@ -22,7 +22,7 @@ from django_server import DjangoServer
 
 from payorch import migrate
 from payorch.providers.sandbox import SandboxServer
-from payorch.tables import operations, webhook_inbox
+from payorch.storage._tables import operations, webhook_inbox
 
 pytestmark = pytest.mark.slow
 

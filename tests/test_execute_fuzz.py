@@ -23,11 +23,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from payorch.errors import InvalidRequest, PayorchError
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.outcome import Outcome
 from payorch.providers.sandbox import SandboxServer
-from payorch.store import Store
-from payorch.tables import operations
+from payorch.storage._store import Store
+from payorch.storage._tables import operations
 
 TENANT = "fuzz"
 

@@ -22,12 +22,12 @@ from payorch.errors import (
     RequestValidationFailed,
     UnknownProvider,
 )
-from payorch.executor import Executor, RetryPolicy
+from payorch.execution._executor import Executor, RetryPolicy
 from payorch.operations import default_registry
 from payorch.provider import Answer, SubmitRequest
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.store import Store
-from payorch.tables import operations
+from payorch.storage._store import Store
+from payorch.storage._tables import operations
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 MONEY = ("succeeded", "processing")

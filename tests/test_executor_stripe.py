@@ -10,10 +10,10 @@ import respx
 from conftest import RecordingSleep
 
 from payorch.core import State
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.operations import default_registry
 from payorch.providers.stripe import StripeProvider
-from payorch.store import Store
+from payorch.storage._store import Store
 
 BASE = "https://api.stripe.test"
 INTENT = {
@@ -78,7 +78,7 @@ def test_rate_limited_then_created_with_one_key_for_every_attempt(store: Store) 
             )
             from conftest import make_due
 
-            from payorch.reconciler import Reconciler, ReconcilerPolicy
+            from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
 
             make_due(store, record.id)
             rec = Reconciler(

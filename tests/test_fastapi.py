@@ -37,7 +37,7 @@ from payorch.integrations.fastapi import (
     principal_tenant,
 )
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.tables import events, operations, webhook_inbox
+from payorch.storage._tables import events, operations, webhook_inbox
 
 pytestmark = pytest.mark.slow
 
@@ -418,7 +418,7 @@ def test_lifespan_refuses_an_app_without_the_handlers(
 
 def test_the_core_never_imports_fastapi() -> None:
     code = (
-        "import sys, payorch, payorch.aio, payorch.http, payorch.integrations;"
+        "import sys, payorch, payorch.execution._async, payorch.http, payorch.integrations;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fastapi', 'starlette')))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -24,11 +24,11 @@ from pydantic import BaseModel, Field
 from typing_extensions import TypedDict  # pydantic wants it before Python 3.12
 
 from payorch.errors import ConfigurationError, InvalidRequest, UnencodableRequest
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.operations import OperationType, Registry
 from payorch.providers.sandbox import SandboxServer
-from payorch.store import Store
-from payorch.tables import events, operations
+from payorch.storage._store import Store
+from payorch.storage._tables import events, operations
 
 # Run in a fresh interpreter per hash seed. It registers a set-typed type (expected to be
 # refused), fingerprints ordinary effects (dicts, lists, nested models) and smuggles a set

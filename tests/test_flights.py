@@ -18,14 +18,14 @@ import sqlalchemy as sa
 
 from payorch.core import State
 from payorch.errors import IdempotencyKeyReused, OperationInProgress
-from payorch.executor import Executor
-from payorch.flights import Flights
+from payorch.execution._executor import Executor
+from payorch.execution._flights import Flights
 from payorch.operations import default_registry
 from payorch.outcome import Outcome
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.records import OperationRecord
-from payorch.store import Store
-from payorch.tables import operations
+from payorch.storage._store import Store
+from payorch.storage._tables import operations
 
 PAYMENT = {"amount": 1500, "currency": "EUR", "customer": "cus_flight"}
 

@@ -27,20 +27,20 @@ import httpx
 import pytest
 from conftest import LoopThread
 
-from payorch.async_store import AsyncStore
-from payorch.bridge import run_bridged
 from payorch.core import State
-from payorch.db import run_sql
-from payorch.executor import Executor
-from payorch.flights import Flights
+from payorch.execution._executor import Executor
+from payorch.execution._flights import Flights
 from payorch.forks import reset_in_child
 from payorch.operations import default_registry
-from payorch.probes import OneAtATime
 from payorch.provider import StatusQuery
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.providers.stripe import StripeProvider
-from payorch.reconciler import Reconciler
-from payorch.store import Store
+from payorch.reconciling._reconciler import Reconciler
+from payorch.storage._async_store import AsyncStore
+from payorch.storage._bridge import run_bridged
+from payorch.storage._engine import run_sql
+from payorch.storage._probes import OneAtATime
+from payorch.storage._store import Store
 
 PAYMENT = {"amount": 1200, "currency": "EUR", "customer": "cus_fork"}
 QUERY = StatusQuery(

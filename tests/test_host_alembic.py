@@ -22,10 +22,10 @@ from conftest import create_pg_database
 from typer.testing import CliRunner
 
 from payorch import migrate
-from payorch.cli.app import app
+from payorch.cli._app import app
 from payorch.errors import ConfigurationError, OperationInProgress
 from payorch.operations import default_registry
-from payorch.store import Store
+from payorch.storage._store import Store
 
 HOST = Path(__file__).parent / "host_app"
 

@@ -9,15 +9,15 @@ import pytest
 import sqlalchemy as sa
 from conftest import RecordingSleep, make_due
 
-from payorch import retention
 from payorch.errors import IdempotencyKeyExpired, IdempotencyKeyReused, OperationInProgress
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.http import http_answer
 from payorch.operations import OperationType, PaymentCreate, default_registry
 from payorch.outcome import Outcome
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.store import Store
-from payorch.tables import operations
+from payorch.storage import _retention as retention
+from payorch.storage._store import Store
+from payorch.storage._tables import operations
 
 PAYMENT = {"amount": 990, "currency": "EUR", "customer": "cus_3"}
 

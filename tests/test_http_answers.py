@@ -24,15 +24,15 @@ from payorch.errors import (
     StorageError,
     UnknownProvider,
 )
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.http import http_answer
 from payorch.operations import default_registry
 from payorch.outcome import Outcome
 from payorch.provider import AnswerKind, answer_from_http_status
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.providers.stripe import StripeProvider
-from payorch.store import Store
-from payorch.tables import operations
+from payorch.storage._store import Store
+from payorch.storage._tables import operations
 
 PAYMENT = {"amount": 990, "currency": "EUR", "customer": "cus_3"}
 STRIPE = "https://api.stripe.test"

@@ -15,8 +15,7 @@ from conftest import RecordingSleep
 from hypothesis import given
 from hypothesis import strategies as st
 
-from payorch import errors
-from payorch.claims import IN_PROGRESS_RETRY_CAP
+from payorch import WebhookHandler, WebhookResult, WebhookStatus, errors
 from payorch.core import MAX_KEY_LENGTH, State
 from payorch.errors import (
     InvalidIdempotencyKey,
@@ -27,7 +26,7 @@ from payorch.errors import (
     UnknownProvider,
     WebhookSignatureInvalid,
 )
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.http import (
     IDEMPOTENCY_KEY_HEADER,
     JSON,
@@ -42,9 +41,9 @@ from payorch.http import (
 from payorch.operations import default_registry
 from payorch.outcome import Outcome
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.store import Store
-from payorch.tables import operations
-from payorch.webhooks import WebhookHandler, WebhookResult, WebhookStatus
+from payorch.storage._claims import IN_PROGRESS_RETRY_CAP
+from payorch.storage._store import Store
+from payorch.storage._tables import operations
 
 PAYMENT = {"amount": 990, "currency": "EUR", "customer": "cus_3"}
 KEY_CHARS = "".join(chr(c) for c in range(0x21, 0x7F))  # what payorch accepts as a key

@@ -14,12 +14,12 @@ import pytest
 from conftest import RecordingSleep, effects_of
 
 from payorch.core import State
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.operations import default_registry
 from payorch.outcome import Outcome, contradicts, late_conflict
 from payorch.provider import Answer, AnswerKind, SubmitRequest
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.store import Store
+from payorch.storage._store import Store
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 MONEY = ("succeeded", "processing")

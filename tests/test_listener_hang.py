@@ -22,13 +22,13 @@ import sqlalchemy as sa
 from conftest import LoopThread
 from pgproxy import LoopbackProxy
 
-from payorch import waiting
-from payorch.async_store import AsyncStore
 from payorch.core import State
 from payorch.errors import OperationInProgress
 from payorch.operations import default_registry
 from payorch.records import ClaimResult, NewOperation
-from payorch.store import Store
+from payorch.storage import _waiting as waiting
+from payorch.storage._async_store import AsyncStore
+from payorch.storage._store import Store
 
 pytestmark = pytest.mark.postgres
 

@@ -16,15 +16,15 @@ from typing import Any
 import pytest
 from conftest import make_due
 
-from payorch import logs
 from payorch.core import State
 from payorch.errors import IdempotencyKeyReused, WebhookSignatureInvalid
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
+from payorch.observing import _logs as logs
 from payorch.operations import default_registry
 from payorch.providers.sandbox import Fault, SandboxProvider, SandboxServer
-from payorch.reconciler import Reconciler, ReconcilerPolicy
-from payorch.store import Store
-from payorch.webhooks import WebhookHandler
+from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
+from payorch.reconciling._webhooks import WebhookHandler
+from payorch.storage._store import Store
 
 PAYORCH = Path(sys.executable).with_name("payorch")
 KEY = "order-secret-key-31337"
@@ -240,7 +240,7 @@ def test_cli_prints_json_lines(
 def test_progress_is_a_bar_on_a_terminal_and_nothing_in_a_pipe() -> None:
     from rich.console import Console
 
-    from payorch.cli.progress import bar, log_every
+    from payorch.cli._progress import bar, log_every
 
     screen = io.StringIO()
     with bar("settling", console=Console(file=screen, force_terminal=True, width=80)) as update:

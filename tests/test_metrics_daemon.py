@@ -27,21 +27,22 @@ import sqlalchemy as sa
 from conftest import FAST_TIMEOUT, RecordingSleep, create_pg_database
 from prometheus_client.parser import text_string_to_metric_families
 
-from payorch import metrics, migrate
-from payorch.aio import AsyncExecutor
-from payorch.async_store import AsyncStore
+from payorch import migrate
 from payorch.core import State
-from payorch.daemon import ReconcilerDaemon, parse_address
 from payorch.errors import ConfigurationError, IdempotencyKeyReused, WebhookSignatureInvalid
-from payorch.executor import Executor
+from payorch.execution._async import AsyncExecutor
+from payorch.execution._executor import Executor
+from payorch.observing import _metrics as metrics
 from payorch.operations import default_registry
 from payorch.provider import Answer, AnswerKind, StatusQuery, SubmitRequest, WebhookEvent
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.providers.sandbox.faults import Fault
-from payorch.reconciler import Reconciler
-from payorch.store import Store
-from payorch.tables import events, operations
-from payorch.webhooks import WebhookHandler
+from payorch.providers.sandbox._faults import Fault
+from payorch.reconciling._daemon import ReconcilerDaemon, parse_address
+from payorch.reconciling._reconciler import Reconciler
+from payorch.reconciling._webhooks import WebhookHandler
+from payorch.storage._async_store import AsyncStore
+from payorch.storage._store import Store
+from payorch.storage._tables import events, operations
 
 PAYORCH = Path(sys.executable).parent / "payorch"
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
@@ -349,12 +350,9 @@ class Block:
 
 sys.meta_path.insert(0, Block())
 from payorch import metrics, migrate
-from payorch.daemon import ReconcilerDaemon
-from payorch.executor import Executor
+from payorch import Executor, Reconciler, ReconcilerDaemon, Store
 from payorch.operations import default_registry
 from payorch.provider import Answer, AnswerKind
-from payorch.reconciler import Reconciler
-from payorch.store import Store
 
 class Instant:
     name = "instant"

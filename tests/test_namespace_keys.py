@@ -32,17 +32,17 @@ from payorch.errors import (
     InvalidIdempotencyKey,
     ProviderUnavailable,
 )
-from payorch.executor import Executor, RetryPolicy
-from payorch.flights import Flights
+from payorch.execution._executor import Executor, RetryPolicy
+from payorch.execution._flights import Flights
 from payorch.http import SAME_KEY, http_answer
 from payorch.operations import default_registry
 from payorch.outcome import Outcome
 from payorch.provider import SubmitRequest, provider_tags
 from payorch.providers.sandbox import SandboxServer
-from payorch.reconciler import Reconciler
+from payorch.reconciling._reconciler import Reconciler
 from payorch.records import NewOperation
-from payorch.store import Store
-from payorch.tables import events, operations
+from payorch.storage._store import Store
+from payorch.storage._tables import events, operations
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 

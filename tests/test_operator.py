@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from payorch import operator
 from payorch.core import State
 from payorch.errors import (
     InvalidRequest,
@@ -23,10 +22,11 @@ from payorch.errors import (
 )
 from payorch.operations import default_registry
 from payorch.providers.sandbox import SandboxProvider
-from payorch.reconciler import Reconciler, ReconcilerPolicy
+from payorch.reconciling import _operator as operator
+from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
 from payorch.records import OperationRecord
-from payorch.store import Store
-from payorch.tables import events, operations
+from payorch.storage._store import Store
+from payorch.storage._tables import events, operations
 
 LIVE = timedelta(minutes=5)
 REGISTRY = default_registry("sandbox")

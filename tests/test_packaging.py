@@ -95,7 +95,7 @@ def test_db_upgrade_demo_and_import_from_the_wheel(installed: Path, tmp_path: Pa
     out = run([str(bindir / "payorch"), "demo", "--payments", "50"], tmp_path, env)
     assert "duplicates" in out.lower()
     code = (
-        "import payorch, payorch.providers.sandbox, payorch.providers.stripe, payorch.cli.app;"
+        "import payorch, payorch.providers.sandbox, payorch.providers.stripe, payorch.cli._app;"
         "from payorch.migrate import upgrade;"
         f"upgrade({str(url)!r});"
         "print(payorch.__file__)"

@@ -21,21 +21,22 @@ from conftest import REQUIRE_PG, LoopThread, create_pg_database, make_due
 from pgbouncer import PgBouncer, PgBouncerUnavailable
 from psycopg.conninfo import conninfo_to_dict
 
-from payorch import migrate, waiting
-from payorch.aio import AsyncExecutor
-from payorch.async_store import AsyncStore
+from payorch import migrate
 from payorch.core import State, downstream_key, namespace_ref
-from payorch.db import create_engine
 from payorch.errors import ConfigurationError, OperationInProgress
-from payorch.executor import Executor
+from payorch.execution._async import AsyncExecutor
+from payorch.execution._executor import Executor
 from payorch.operations import default_registry
 from payorch.outcome import Outcome
-from payorch.pooling import listen_dsn
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.providers.sandbox.api import CommitGate
-from payorch.reconciler import Reconciler, ReconcilerPolicy
-from payorch.store import Store
-from payorch.tables import operations
+from payorch.providers.sandbox._api import CommitGate
+from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
+from payorch.storage import _waiting as waiting
+from payorch.storage._async_store import AsyncStore
+from payorch.storage._engine import create_engine
+from payorch.storage._pooling import listen_dsn
+from payorch.storage._store import Store
+from payorch.storage._tables import operations
 
 pytestmark = pytest.mark.postgres
 

@@ -20,10 +20,10 @@ import sqlalchemy as sa
 from conftest import create_pg_database
 
 from payorch import migrate
-from payorch.queries import list_operations
 from payorch.records import NewOperation
-from payorch.retention import reap
-from payorch.store import Store
+from payorch.storage._queries import list_operations
+from payorch.storage._retention import reap
+from payorch.storage._store import Store
 
 pytestmark = pytest.mark.slow
 

@@ -15,13 +15,13 @@ from conftest import FAST_TIMEOUT, RecordingSleep, age, effects_of, make_due
 from overlap import Overlap, OverlapProxy
 
 from payorch.core import State
-from payorch.daemon import ReconcilerDaemon
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.operations import default_registry
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.reconciler import Reconciler, ReconcileReport, ReconcilerPolicy
-from payorch.store import Store
-from payorch.tables import events, operations
+from payorch.reconciling._daemon import ReconcilerDaemon
+from payorch.reconciling._reconciler import Reconciler, ReconcileReport, ReconcilerPolicy
+from payorch.storage._store import Store
+from payorch.storage._tables import events, operations
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 MONEY = ("succeeded", "processing")

@@ -22,15 +22,15 @@ from conftest import RecordingSleep, effects_of, make_due
 from overlap import Overlap, OverlapProxy
 from typer.testing import CliRunner
 
-from payorch.cli.app import app
+from payorch.cli._app import app
 from payorch.errors import ConfigurationError
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.operations import default_registry
 from payorch.provider import Answer, StatusQuery
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.reconciler import Reconciler, ReconcileReport, ReconcilerPolicy
-from payorch.store import Store
-from payorch.tables import events, operations
+from payorch.reconciling._reconciler import Reconciler, ReconcileReport, ReconcilerPolicy
+from payorch.storage._store import Store
+from payorch.storage._tables import events, operations
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 MONEY = ("succeeded", "processing")

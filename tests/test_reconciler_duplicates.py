@@ -14,13 +14,13 @@ import respx
 from conftest import RecordingSleep, effects_of, make_due
 
 from payorch.core import State
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.operations import default_registry
 from payorch.provider import AnswerKind, StatusQuery, SubmitRequest
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.providers.stripe import StripeProvider
-from payorch.reconciler import Reconciler, ReconcilerPolicy
-from payorch.store import Store
+from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
+from payorch.storage._store import Store
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 

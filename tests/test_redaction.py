@@ -14,16 +14,16 @@ import sqlalchemy as sa
 from conftest import make_due
 from pydantic import BaseModel, Field
 
+from payorch import WebhookHandler, WebhookStatus
+from payorch._redaction import Redactor
 from payorch.core import State
 from payorch.errors import ConfigurationError
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.operations import REDACTED, OperationType, Registry, default_registry
 from payorch.provider import Answer, AnswerKind
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.reconciler import Reconciler, ReconcilerPolicy
-from payorch.redaction import Redactor
-from payorch.store import Store
-from payorch.webhooks import WebhookHandler, WebhookStatus
+from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
+from payorch.storage._store import Store
 
 CARD = "4000056655665556"
 HOLDER = "Jane Q. Secretperson"

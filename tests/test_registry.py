@@ -16,11 +16,11 @@ from payorch.errors import (
     UnencodableRequest,
     UnknownOperationType,
 )
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.operations import REDACTED, OperationType, default_registry
 from payorch.providers.sandbox import SandboxServer
-from payorch.store import Store
-from payorch.tables import operations
+from payorch.storage._store import Store
+from payorch.storage._tables import operations
 
 GOOD = {"amount": 1000, "currency": "EUR", "customer": "cus_1"}
 

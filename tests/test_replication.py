@@ -26,23 +26,24 @@ from conftest import FAST_TIMEOUT, LoopThread, _pg_unavailable
 from pgcluster import ClusterUnavailable
 from pgreplica import ReplicaPair, poll
 
-from payorch import metrics, migrate
-from payorch.async_store import AsyncStore
+from payorch import migrate
 from payorch.core import State
-from payorch.daemon import ReconcilerDaemon
-from payorch.db import create_async_engine, create_engine, run_sql
 from payorch.errors import (
     CommitUncertain,
     ConfigurationError,
     DatabaseReadOnly,
     SyncStandbyUnavailable,
 )
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.http import http_answer
+from payorch.observing import _metrics as metrics
 from payorch.operations import default_registry
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.reconciler import Reconciler
-from payorch.store import Store
+from payorch.reconciling._daemon import ReconcilerDaemon
+from payorch.reconciling._reconciler import Reconciler
+from payorch.storage._async_store import AsyncStore
+from payorch.storage._engine import create_async_engine, create_engine, run_sql
+from payorch.storage._store import Store
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 

@@ -10,16 +10,16 @@ import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
-from payorch.cli.app import app
+from payorch.cli._app import app
 from payorch.core import State
 from payorch.errors import IdempotencyKeyExpired
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.operations import MONEY_RETENTION, default_registry
 from payorch.providers.sandbox import SandboxServer
 from payorch.records import OperationRecord
-from payorch.retention import reap
-from payorch.store import Store
-from payorch.tables import db_now_plus, events, operations
+from payorch.storage._retention import reap
+from payorch.storage._store import Store
+from payorch.storage._tables import db_now_plus, events, operations
 
 REGISTRY = default_registry("sandbox")
 LEASE = timedelta(minutes=5)

@@ -16,17 +16,17 @@ import pytest
 import sqlalchemy as sa
 from conftest import RecordingSleep
 
+from payorch import WebhookHandler, WebhookStatus
 from payorch.core import State
 from payorch.errors import IdempotencyKeyExpired, IdempotencyKeyReused, OperationInProgress
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.operations import default_registry
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.queries import stats
 from payorch.records import NewOperation, OperationRecord
-from payorch.retention import reap
-from payorch.store import Store
-from payorch.tables import db_now_plus, events, operations, webhook_inbox
-from payorch.webhooks import WebhookHandler, WebhookStatus
+from payorch.storage._queries import stats
+from payorch.storage._retention import reap
+from payorch.storage._store import Store
+from payorch.storage._tables import db_now_plus, events, operations, webhook_inbox
 
 REGISTRY = default_registry("sandbox")
 LEASE = timedelta(minutes=5)

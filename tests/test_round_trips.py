@@ -28,14 +28,15 @@ import sqlalchemy as sa
 from conftest import RecordingSleep
 from pgproxy import LoopbackProxy
 
-from payorch import sessions, waiting
 from payorch.core import State
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.operations import default_registry
 from payorch.outcome import Outcome
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.store import Store
-from payorch.tables import operations
+from payorch.storage import _sessions as sessions
+from payorch.storage import _waiting as waiting
+from payorch.storage._store import Store
+from payorch.storage._tables import operations
 
 PAYMENT = {"amount": 1500, "currency": "EUR", "customer": "cus_rt"}
 _SSL_REQUEST = 80877103

@@ -19,20 +19,21 @@ import sqlalchemy as sa
 from test_replication import payorch as cli
 from typer.testing import CliRunner
 
-from payorch import db, sessions
-from payorch.cli.app import app
-from payorch.db import create_engine
+from payorch.cli._app import app
 from payorch.errors import (
     CommitUncertain,
     ConfigurationError,
     DatabaseReadOnly,
     StorageError,
 )
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.operations import default_registry
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.replication import Status, num_sync, strict_from_env
-from payorch.store import Store
+from payorch.storage import _engine as db
+from payorch.storage import _sessions as sessions
+from payorch.storage._engine import create_engine
+from payorch.storage._replication import Status, num_sync, strict_from_env
+from payorch.storage._store import Store
 
 PAYMENT = {"amount": 1500, "currency": "EUR", "customer": "cus_1"}
 runner = CliRunner()
@@ -226,7 +227,7 @@ def test_sqlite_health_is_local(tmp_path: Path) -> None:
 
 
 def test_the_gauges_carry_the_replication_mode(postgres_url: str) -> None:
-    from payorch import metrics
+    from payorch.observing import _metrics as metrics
 
     if not metrics.AVAILABLE:
         pytest.skip("prometheus_client is not installed")

@@ -21,21 +21,21 @@ from pgproxy import LoopbackProxy
 from sqlalchemy.engine import Connection
 
 from payorch.core import State
-from payorch.db import run_in_transaction
 from payorch.errors import (
     CommitUncertain,
     OperationInProgress,
     OutcomeNotRecorded,
     StorageError,
 )
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.http import http_answer
 from payorch.operations import default_registry
 from payorch.outcome import Outcome
 from payorch.provider import Answer, SubmitRequest
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.reconciler import Reconciler, ReconcilerPolicy
-from payorch.store import Store
+from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
+from payorch.storage._engine import run_in_transaction
+from payorch.storage._store import Store
 
 PAYMENT = {"amount": 1500, "currency": "EUR", "customer": "cus_9"}
 

@@ -22,8 +22,8 @@ from payorch.errors import (
 )
 from payorch.operations import default_registry
 from payorch.records import ClaimResult, NewOperation
-from payorch.store import Store
-from payorch.tables import events, operations
+from payorch.storage._store import Store
+from payorch.storage._tables import events, operations
 
 LEASE = timedelta(seconds=30)
 REQUEST = {"amount": 2500, "currency": "EUR", "customer": "cus_42"}
@@ -251,7 +251,7 @@ def test_migrations_match_table_definitions(db_url: str) -> None:
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
 
-    from payorch.tables import metadata
+    from payorch.storage._tables import metadata
 
     engine = sa.create_engine(db_url)
     try:

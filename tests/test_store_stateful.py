@@ -24,8 +24,8 @@ from payorch.errors import (
 )
 from payorch.operations import default_registry
 from payorch.records import OperationRecord
-from payorch.store import Store
-from payorch.tables import operations
+from payorch.storage._store import Store
+from payorch.storage._tables import operations
 
 KEYS = ("a", "b", "c")
 AMOUNTS = (100, 200)

@@ -15,17 +15,17 @@ import pytest
 import respx
 from conftest import RecordingSleep, age, make_due
 
-from payorch.cli.runtime import build_providers
+from payorch.cli._runtime import build_providers
 from payorch.core import State
 from payorch.errors import ConfigurationError
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.operations import default_registry
 from payorch.provider import Answer, AnswerKind, StatusQuery
 from payorch.providers.stripe import IDEMPOTENCY_WINDOW, StripeProvider
-from payorch.reconciler import Reconciler, ReconcilerPolicy
+from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
 from payorch.settings import Settings
-from payorch.store import Store
-from payorch.tables import events
+from payorch.storage._store import Store
+from payorch.storage._tables import events
 
 BASE = "http://127.0.0.1:12111/compat"
 OP_ID = "0192c0de-7a1b-7c3d-8e4f-5a6b7c8d9e0f"  # UUIDv7: created at 0x0192c0de7a1b ms

@@ -21,16 +21,16 @@ import httpx
 import pytest
 from conftest import RecordingSleep, make_due
 
-from payorch import operator
+from payorch import WebhookHandler, WebhookStatus
 from payorch.core import State
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.operations import default_registry
 from payorch.provider import AnswerKind, StatusQuery
 from payorch.providers.stripe import SIGNATURE_HEADER, StripeProvider
-from payorch.queries import list_operations
-from payorch.reconciler import Reconciler, ReconcilerPolicy
-from payorch.store import Store
-from payorch.webhooks import WebhookHandler, WebhookStatus
+from payorch.reconciling import _operator as operator
+from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
+from payorch.storage._queries import list_operations
+from payorch.storage._store import Store
 
 BASE = "https://api.stripe.test"
 SECRET = "whsec_test_lifecycle"

@@ -18,13 +18,13 @@ import respx
 from conftest import RecordingSleep, make_due
 
 from payorch.core import State
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.http import http_answer
 from payorch.operations import default_registry
 from payorch.provider import AnswerKind, SubmitRequest
 from payorch.providers.stripe import StripeProvider
-from payorch.reconciler import Reconciler, ReconcilerPolicy
-from payorch.store import Store
+from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
+from payorch.storage._store import Store
 
 BASE = "https://api.stripe.test"
 TIMEOUT = httpx.Timeout(connect=1.0, read=2.0, write=1.0, pool=1.0)

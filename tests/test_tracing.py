@@ -21,15 +21,15 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from payorch import tracing
+from payorch import WebhookHandler, WebhookStatus
 from payorch.core import State
 from payorch.errors import IdempotencyKeyReused
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
+from payorch.observing import _tracing as tracing
 from payorch.operations import default_registry
 from payorch.providers.sandbox import Fault, SandboxProvider, SandboxServer
-from payorch.reconciler import Reconciler, ReconcilerPolicy
-from payorch.store import Store
-from payorch.webhooks import WebhookHandler, WebhookStatus
+from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
+from payorch.storage._store import Store
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 KEY = "order-trace-1"
@@ -272,10 +272,9 @@ _NO_OTEL = textwrap.dedent(
 
     from datetime import timedelta
     from payorch import migrate, tracing
-    from payorch.executor import Executor
+    from payorch import Executor, Store
     from payorch.operations import default_registry
     from payorch.providers.sandbox import Fault, SandboxProvider, SandboxServer
-    from payorch.store import Store
 
     url = "sqlite:///" + sys.argv[2]
     migrate.upgrade(url)

@@ -19,10 +19,8 @@ import respx
 import sqlalchemy as sa
 from conftest import FAST_TIMEOUT
 
-from payorch import unexplained
-from payorch.cli.reconcile import unexplained_watch
+from payorch.cli._reconcile import unexplained_watch
 from payorch.core import State, downstream_key, namespace_ref
-from payorch.daemon import ReconcilerDaemon
 from payorch.errors import (
     ConfigurationError,
     IdempotencyKeyReused,
@@ -32,7 +30,7 @@ from payorch.errors import (
     ProviderUnavailable,
     UnknownProvider,
 )
-from payorch.executor import Executor, RetryPolicy
+from payorch.execution._executor import Executor, RetryPolicy
 from payorch.operations import default_registry
 from payorch.outcome import Outcome
 from payorch.provider import (
@@ -43,15 +41,13 @@ from payorch.provider import (
     provider_tags,
 )
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.providers.sandbox.faults import Fault
+from payorch.providers.sandbox._faults import Fault
 from payorch.providers.stripe import StripeProvider
-from payorch.providers.stripe import listing as stripe_listing
-from payorch.reconciler import Reconciler
-from payorch.records import OperationRecord
-from payorch.settings import Settings
-from payorch.store import Store
-from payorch.tables import events, operations
-from payorch.unexplained import (
+from payorch.providers.stripe import _listing as stripe_listing
+from payorch.reconciling import _unexplained as unexplained
+from payorch.reconciling._daemon import ReconcilerDaemon
+from payorch.reconciling._reconciler import Reconciler
+from payorch.reconciling._unexplained import (
     Finding,
     Verdict,
     adopt,
@@ -60,7 +56,11 @@ from payorch.unexplained import (
     not_ours,
     scan,
 )
-from payorch.unexplained_watch import UnexplainedWatch
+from payorch.reconciling._watch import UnexplainedWatch
+from payorch.records import OperationRecord
+from payorch.settings import Settings
+from payorch.storage._store import Store
+from payorch.storage._tables import events, operations
 
 REGISTRY = default_registry("sandbox")
 PAYMENT = {"amount": 4200, "currency": "EUR", "customer": "cus_7", "payment_method": "pm_visa"}

@@ -13,12 +13,12 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
+from payorch import WebhookHandler, WebhookStatus
 from payorch.errors import WebhookMalformed, WebhookUnstorable
 from payorch.http import webhook_answer
 from payorch.providers.stripe import SIGNATURE_HEADER, StripeProvider
-from payorch.store import Store
-from payorch.tables import events, operations, webhook_inbox
-from payorch.webhooks import WebhookHandler, WebhookStatus
+from payorch.storage._store import Store
+from payorch.storage._tables import events, operations, webhook_inbox
 
 SECRET = "whsec_test_limits"
 TENANT = "shop"

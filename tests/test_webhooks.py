@@ -13,13 +13,13 @@ import pytest
 import sqlalchemy as sa
 from standardwebhooks.webhooks import Webhook
 
+from payorch import WebhookHandler, WebhookStatus
 from payorch.core import State
 from payorch.errors import WebhookMalformed, WebhookSignatureInvalid
-from payorch.executor import Executor
+from payorch.execution._executor import Executor
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.store import Store
-from payorch.tables import webhook_inbox
-from payorch.webhooks import WebhookHandler, WebhookStatus
+from payorch.storage._store import Store
+from payorch.storage._tables import webhook_inbox
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 

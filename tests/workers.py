@@ -8,7 +8,7 @@ from typing import Any
 
 from payorch.errors import OperationInProgress
 from payorch.records import NewOperation
-from payorch.store import Store
+from payorch.storage._store import Store
 
 
 def claim_many(url: str, worker: int, keys: list[str]) -> list[tuple[str, str, bool]]:
@@ -48,7 +48,7 @@ def execute_then_die(url: str, sandbox_url: str, key: str, point: str = "after_c
     import os
     import signal
 
-    from payorch.executor import Executor
+    from payorch.execution._executor import Executor
     from payorch.operations import default_registry
     from payorch.provider import Answer, SubmitRequest
     from payorch.providers.sandbox import SandboxProvider
@@ -92,7 +92,7 @@ def reconcile_until_idle(
     of them with no work at all.
     """
     from payorch.providers.sandbox import SandboxProvider
-    from payorch.reconciler import Reconciler, ReconcilerPolicy
+    from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
 
     store = Store.from_url(url)
     if start is not None:

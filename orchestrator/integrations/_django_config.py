@@ -21,16 +21,17 @@ from django.core.signals import setting_changed
 from django.http import HttpRequest
 from django.utils.module_loading import import_string
 
-from payorch.aio import AsyncExecutor, AsyncWebhookHandler
-from payorch.async_store import AsyncStore
-from payorch.errors import ConfigurationError, InvalidTenant
-from payorch.executor import Executor
-from payorch.forks import reset_in_child
-from payorch.operations import Registry, default_registry
-from payorch.provider import AsyncProvider, Provider
-from payorch.settings import Settings
-from payorch.store import Store
-from payorch.webhooks import WebhookHandler
+from ..errors import ConfigurationError, InvalidTenant
+from ..execution._async import AsyncExecutor
+from ..execution._executor import Executor
+from ..forks import reset_in_child
+from ..operations import Registry, default_registry
+from ..provider import AsyncProvider, Provider
+from ..reconciling._async import AsyncWebhookHandler
+from ..reconciling._webhooks import WebhookHandler
+from ..settings import Settings
+from ..storage._async_store import AsyncStore
+from ..storage._store import Store
 
 __all__ = [
     "PayorchConfig",

@@ -7,7 +7,7 @@ from typing import Annotated, Any, TypeAlias
 
 from fastapi import Depends, Header, Request
 
-from payorch.errors import ConfigurationError, InvalidTenant
+from ..errors import ConfigurationError, InvalidTenant
 
 __all__ = ["TenantResolver", "header_tenant", "path_tenant", "principal_tenant"]
 

@@ -37,9 +37,9 @@ from django.http import HttpRequest, HttpResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.views.decorators.csrf import csrf_exempt
 
-from payorch.core import State, validate_tenant
-from payorch.errors import ConfigurationError, PayorchError
-from payorch.http import (
+from ..core import State, validate_tenant
+from ..errors import ConfigurationError, PayorchError
+from ..http import (
     IDEMPOTENCY_KEY_HEADER,
     SAME_KEY,
     HttpAnswer,
@@ -49,8 +49,7 @@ from payorch.http import (
     problem,
     webhook_answer,
 )
-from payorch.outcome import Outcome
-
+from ..outcome import Outcome
 from ._django_config import (
     PayorchConfig,
     Tenant,

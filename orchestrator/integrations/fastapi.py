@@ -31,16 +31,11 @@ from pydantic import BaseModel
 from starlette.routing import NoMatchFound
 from starlette.types import ASGIApp
 
-from payorch.aio import AsyncExecutor, AsyncWebhookHandler
-from payorch.async_store import AsyncStore
-from payorch.core import State, validate_tenant
-from payorch.errors import (
-    ConfigurationError,
-    OperationNotFound,
-    PayorchError,
-)
-from payorch.executor import RetryPolicy
-from payorch.http import (
+from ..core import State, validate_tenant
+from ..errors import ConfigurationError, OperationNotFound, PayorchError
+from ..execution._async import AsyncExecutor
+from ..execution._executor import RetryPolicy
+from ..http import (
     IDEMPOTENCY_KEY_HEADER,
     SAME_KEY,
     HttpAnswer,
@@ -50,11 +45,12 @@ from payorch.http import (
     problem,
     webhook_answer,
 )
-from payorch.operations import Registry, default_registry
-from payorch.outcome import Outcome
-from payorch.provider import AsyncProvider
-from payorch.settings import Settings
-
+from ..operations import Registry, default_registry
+from ..outcome import Outcome
+from ..provider import AsyncProvider
+from ..reconciling._async import AsyncWebhookHandler
+from ..settings import Settings
+from ..storage._async_store import AsyncStore
 from ._fastapi_tenants import TenantResolver, header_tenant, path_tenant, principal_tenant
 
 __all__ = [

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .adapter import DEFAULT_TIMEOUT, DEFAULT_WEBHOOK_TOLERANCE, IDEMPOTENCY_WINDOW, StripeProvider
-from .classify import SUPPORTED_OPERATIONS
-from .webhooks import SIGNATURE_HEADER
+from ._adapter import DEFAULT_TIMEOUT, DEFAULT_WEBHOOK_TOLERANCE, IDEMPOTENCY_WINDOW, StripeProvider
+from ._classify import SUPPORTED_OPERATIONS
+from ._webhooks import SIGNATURE_HEADER
 
 __all__ = [
     "DEFAULT_TIMEOUT",

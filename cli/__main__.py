@@ -1,0 +1,5 @@
+"""``python -m payorch.cli``: the ``payorch`` command line."""
+
+from . import main
+
+main()

@@ -1,0 +1,190 @@
+"""What every command shares: settings, the store, provider adapters, durations, consoles."""
+
+from __future__ import annotations
+
+import getpass
+import re
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+
+from ..errors import ConfigurationError, DatabaseUnavailable
+
+if TYPE_CHECKING:
+    from ..provider import Provider
+    from ..reconciling._reconciler import Reconciler
+    from ..settings import Settings
+    from ..storage._store import Store
+
+__all__ = [
+    "DatabaseUrl",
+    "JsonFlag",
+    "build_providers",
+    "database_url",
+    "default_actor",
+    "duration_option",
+    "err",
+    "open_store",
+    "out",
+    "parse_duration",
+    "reconciler",
+    "settings",
+]
+
+# Piped output (files, grep, tests) gets a wide console: ids must not be cut or wrapped.
+_PIPE_WIDTH = 240
+
+
+def out() -> Console:
+    """Standard output, made per call so it follows ``sys.stdout`` (redirected in tests)."""
+    return Console(width=None if sys.stdout.isatty() else _PIPE_WIDTH, highlight=False)
+
+
+def err() -> Console:
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+DatabaseUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--database-url",
+        help="SQLAlchemy URL; defaults to PAYORCH_DATABASE_URL, else sqlite:///payorch.db.",
+        show_default=False,
+    ),
+]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def settings() -> Settings:
+    import pydantic
+
+    from ..settings import Settings
+
+    try:
+        return Settings()
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        name = "PAYORCH_" + "_".join(str(p) for p in first["loc"]).upper()
+        raise ConfigurationError(f"{name}: {first['msg']}") from None
+
+
+def database_url(value: str | None) -> str:
+    return value or settings().database_url
+
+
+@contextmanager
+def open_store(url: str | None, *, require_sync_standby: bool | None = None) -> Iterator[Store]:
+    """A store on an existing database: a missing SQLite file is refused, not created.
+    ``require_sync_standby`` defaults to ``PAYORCH_REQUIRE_SYNC_STANDBY``."""
+    from ..storage._engine import create_engine, normalise_url
+    from ..storage._store import Store
+
+    resolved = database_url(url)
+    parsed = normalise_url(resolved)
+    if parsed.get_backend_name() == "sqlite" and parsed.database is not None:
+        path = Path(parsed.database)
+        if not path.is_file():
+            raise DatabaseUnavailable(
+                f"no database at {path} (run `payorch db upgrade` or pass --database-url)"
+            )
+    store = Store(create_engine(parsed), require_sync_standby=require_sync_standby)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+_MAX_DURATION_SECONDS = 100 * 365 * 86400  # beyond this, datetime arithmetic overflows
+
+
+def parse_duration(text: str) -> timedelta:
+    """``30s``, ``15m``, ``2h``, ``1d``, ``1w`` or a sum such as ``1h30m``."""
+    value = text.strip().lower()
+    pos = 0
+    total = 0.0
+    for match in _DURATION.finditer(value):
+        if match.start() != pos:
+            break
+        total += float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+        pos = match.end()
+    if not value or pos != len(value):
+        raise typer.BadParameter(
+            f"{text!r} is not a duration; use a number and a unit, e.g. 30s, 15m, 2h, 1d"
+        )
+    if total > _MAX_DURATION_SECONDS:
+        raise typer.BadParameter(f"{text!r} is longer than 100 years")
+    return timedelta(seconds=total)
+
+
+def duration_option(help_text: str) -> Any:
+    """A ``--…`` option that takes a duration such as 30s, 15m, 2h or 1d."""
+    return typer.Option(parser=parse_duration, metavar="DURATION", help=help_text)
+
+
+def default_actor() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry / no login name in a container
+        return "operator"
+
+
+def build_providers(config: Settings) -> list[Provider]:
+    """The sandbox adapter always; Stripe when an API key is configured."""
+    from ..providers.sandbox import SandboxProvider
+
+    providers: list[Provider] = [
+        SandboxProvider(base_url=config.sandbox_url, webhook_secret=config.sandbox_webhook_secret)
+    ]
+    if config.stripe_api_key:
+        from ..providers.stripe import StripeProvider
+
+        window = config.stripe_idempotency_window_seconds
+        providers.append(
+            StripeProvider(
+                api_key=config.stripe_api_key,
+                webhook_secret=config.stripe_webhook_secret,
+                base_url=config.stripe_base_url,
+                idempotency_window=timedelta(seconds=window) if window > 0 else None,
+            )
+        )
+    return providers
+
+
+@contextmanager
+def reconciler(
+    store: Store,
+    config: Settings,
+    *,
+    owner: str | None = None,
+    batch: int | None = None,
+    concurrency: int | None = None,
+) -> Iterator[Reconciler]:
+    """A reconciler configured from ``config``; its adapters' HTTP clients close on exit."""
+    from ..reconciling._reconciler import Reconciler, ReconcilerPolicy
+
+    policy = ReconcilerPolicy(
+        lease=timedelta(seconds=config.lease_seconds),
+        batch_size=batch or config.reconcile_batch_size,
+        not_found_grace=timedelta(seconds=config.not_found_grace_seconds),
+        max_checks=config.max_checks,
+        max_unknown_age=timedelta(seconds=config.max_unknown_age_seconds),
+        concurrency=concurrency if concurrency is not None else config.reconcile_concurrency,
+    )
+    providers = build_providers(config)
+    try:
+        yield Reconciler(store=store, providers=providers, policy=policy, owner=owner)
+    finally:
+        for provider in providers:
+            close = getattr(provider, "close", None)
+            if callable(close):
+                close()

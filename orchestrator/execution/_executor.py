@@ -1,0 +1,502 @@
+"""``execute()``: claim -> (row and downstream key durable) -> submit -> classify -> record.
+
+The claim commits the operation, its lease and its downstream key, and marks the first
+attempt as possibly sent, before a byte goes to the provider: a crash at any point after
+that leaves an operation the reconciler can finish from evidence.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from pydantic import BaseModel
+
+from .._redaction import Redactor
+from ..core import State, backoff_delay, max_backoff_total, validate_key_scope
+from ..errors import (
+    ConfigurationError,
+    IdempotencyKeyExpired,
+    InvalidRequest,
+    OutcomeNotRecorded,
+    ProviderIdempotencyError,
+    ProviderUnavailable,
+    StaleVersion,
+    StorageError,
+    UnknownProvider,
+)
+from ..forks import reset_in_child
+from ..observing import _logs as logs
+from ..observing import _metrics as metrics
+from ..observing import _tracing as tracing
+from ..operations import Prepared, Registry, default_registry
+from ..outcome import Outcome, decide, late_conflict
+from ..provider import Answer, AnswerKind, Provider, SubmitRequest
+from ..records import OperationRecord
+from ..storage._bridge import bridged, pause
+from ..storage._store import Store
+from ._flights import Flight, Flights
+
+__all__ = [
+    "Executor",
+    "RetryPolicy",
+    "default_owner",
+    "owner_of_this_process",
+    "submit_and_record",
+]
+
+
+def default_owner(role: str = "executor") -> str:
+    """A lease owner name that says which process held it."""
+    return f"{role}:{socket.gethostname()}:{os.getpid()}"
+
+
+def owner_of_this_process(holder: Any, role: str) -> str:
+    """:func:`default_owner` for ``holder.owner``, renamed in every forked child: the owner
+    fences leases, and sibling workers must not share one."""
+    reset_in_child(holder, functools.partial(_rename, role=role))
+    return default_owner(role)
+
+
+def _rename(holder: Any, *, role: str) -> None:
+    holder.owner = default_owner(role)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """Inline retries for answers that were certainly not sent (same downstream key)."""
+
+    max_attempts: int = 4
+    base_delay: float = 0.1
+    max_delay: float = 2.0
+    first_check: timedelta = timedelta(seconds=2)  # first reconciler look at an unknown
+    pending_check: timedelta = timedelta(seconds=5)
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1 or self.base_delay < 0 or self.max_delay < self.base_delay:
+            raise ConfigurationError("retry policy: need max_attempts >= 1, 0 <= base <= max")
+
+
+class Executor:
+    """Runs payment operations through their provider, exactly once per namespace."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        providers: Iterable[Provider],
+        registry: Registry | None = None,
+        lease: timedelta = timedelta(seconds=60),
+        retry: RetryPolicy | None = None,
+        owner: str | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        rand: Callable[[], float] = random.random,
+        key_scope: str | None = None,
+    ) -> None:
+        self.store = store
+        # None: the environment's (PAYORCH_KEY_SCOPE), so the CLI, the integrations and the
+        # app's own executors agree; only that variable is read (others are not ours here).
+        self.key_scope = validate_key_scope(
+            os.environ.get("PAYORCH_KEY_SCOPE", "") if key_scope is None else key_scope
+        )
+        self.providers: dict[str, Provider] = {}
+        for p in providers:
+            if p.name in self.providers:
+                raise ConfigurationError(f"two providers named {p.name!r}")
+            self.providers[p.name] = p
+        self.registry = registry or default_registry()
+        self.lease = lease
+        self.retry = retry or RetryPolicy()
+        self.owner = owner or owner_of_this_process(self, "executor")
+        self._sleep = sleep
+        self._rand = rand
+        # Identical requests waiting together in this process share one leader's trip.
+        self.flights = Flights()
+        for p in self.providers.values():
+            needed = self.lease_needed(p)
+            if lease < needed:
+                raise ConfigurationError(
+                    f"lease {lease.total_seconds():g}s is shorter than the worst case of one "
+                    f"execute() on {p.name!r} ({needed.total_seconds():g}s: "
+                    f"{self.retry.max_attempts} attempts x "
+                    f"{p.max_call_duration.total_seconds():g}s plus backoff); "
+                    "raise the lease or lower the time-outs"
+                )
+
+    def lease_needed(self, provider: Provider) -> timedelta:
+        r = self.retry
+        sleeping = max_backoff_total(r.max_attempts - 1, base=r.base_delay, cap=r.max_delay)
+        return provider.max_call_duration * r.max_attempts + timedelta(seconds=sleeping + 1.0)
+
+    def provider(self, name: str) -> Provider:
+        """The adapter for a provider name a caller gave; ``UnknownProvider`` (4xx) if none."""
+        try:
+            return self.providers[name]
+        except KeyError:
+            raise UnknownProvider(f"no provider named {name!r} is configured") from None
+
+    @metrics.counts_executions  # what raises; what returns is counted below
+    @tracing.instrumented_execute
+    def execute(
+        self,
+        *,
+        tenant_id: str,
+        operation: str,
+        idempotency_key: str,
+        request: Mapping[str, Any] | BaseModel,
+        provider: str | None = None,
+        wait: timedelta | None = None,
+    ) -> Outcome:
+        """Run one operation or return what its namespace already holds.
+
+        Raises ``InvalidRequest`` subclasses (nothing written; ``UnknownProvider`` for a
+        ``provider`` this executor lacks), ``IdempotencyKeyReused``, ``IdempotencyKeyExpired``
+        and ``OperationInProgress`` (unless ``wait`` covers it). ``ProviderUnavailable``
+        (503): every attempt was certainly not sent, nothing is stored as the key's answer,
+        and the same key runs again on the next call. Storage failures: a plain
+        ``StorageError`` before the claim can have committed; ``OutcomeNotRecorded`` once it
+        may have (the operation may exist and may have been sent). Both mean "retry the
+        same key"; neither permits a new one.
+
+        On PostgreSQL, a call with ``wait`` that finds an identical call (same namespace and
+        fingerprint) under way in this executor joins it and answers with its outcome
+        (:mod:`payorch.flights`) instead of claiming and waiting on the database itself.
+        """
+        started = time.perf_counter()
+        prepared = self.registry.prepare(
+            tenant_id=tenant_id,
+            operation=operation,
+            idempotency_key=idempotency_key,
+            request=request,
+            provider=provider,
+            key_scope=self.key_scope,
+        )
+        if provider:  # as prepare() reads it: an empty name means the type's default
+            adapter = self.provider(provider)
+        elif prepared.new.provider in self.providers:
+            adapter = self.providers[prepared.new.provider]
+        else:
+            # Not the caller's fault: the operation type's default is not configured here.
+            raise ConfigurationError(
+                f"operation {operation!r} defaults to provider {prepared.new.provider!r}, "
+                "which this executor was not given"
+            )
+        seen = metrics.for_execution(prepared.new.operation, adapter.name)
+        new = prepared.new
+        namespace = (new.tenant_id, new.operation, new.idempotency_key)
+        flight, leading = None, False
+        if self.store.is_postgres and not bridged():
+            may_join = wait is not None and wait > timedelta(0)
+            flight, leading = self.flights.lead_or_join(
+                namespace, new.fingerprint, may_join=may_join
+            )
+        if flight is not None and not leading:
+            assert wait is not None
+            waited = time.monotonic()
+            shared = self._join(flight, wait)
+            if shared is not None:
+                seen.finished("replayed" if shared.replayed else "existing", started)
+                return shared
+            wait = max(timedelta(0), wait - timedelta(seconds=time.monotonic() - waited))
+        answered: OperationRecord | None = None
+        unavailable: ProviderUnavailable | None = None
+        try:
+            answered, replayed = self._execute(prepared, adapter, seen, started, wait)
+            return Outcome.from_record(answered, replayed=replayed)
+        except ProviderUnavailable as exc:
+            unavailable = exc
+            raise
+        finally:
+            if leading and flight is not None:
+                self.flights.land(namespace, flight, answered, unavailable)
+
+    def _join(self, flight: Flight, wait: timedelta) -> Outcome | None:
+        """A joiner's answer: the leader's, a replay if settled; None: take the usual path."""
+        record, to_count = self.flights.wait(flight, wait.total_seconds())
+        if flight.unavailable is not None:
+            said = flight.unavailable  # a copy each: joiners raise in their own threads
+            raise ProviderUnavailable(
+                said.message,
+                operation_id=said.operation_id,
+                retry_after=said.retry_after,
+                code=said.code,
+            )
+        if record is None:
+            return None
+        if to_count:
+            try:
+                self.store.count_replays(record, to_count)
+            except StorageError as exc:  # a count in doubt is no reason to fail an answer
+                logs.executor_log.warning("replays of %s not counted: %s", record.id, exc)
+        return Outcome.from_record(record, replayed=record.terminal)
+
+    def _execute(
+        self,
+        prepared: Prepared,
+        adapter: Provider,
+        seen: metrics.Recorder,
+        started: float,
+        wait: timedelta | None,
+    ) -> tuple[OperationRecord, bool]:
+        """The claim, and the provider call if it created the operation: the record to
+        answer with, and whether that answer is a replay."""
+        claiming = time.perf_counter()
+        try:
+            with tracing.claim(adapter.name) as span:
+                claim = self.store.claim(
+                    prepared.new, owner=self.owner, lease=self.lease, possibly_sent=True, wait=wait
+                )
+                tracing.set_attributes(span, created=claim.created, replayed=claim.replayed)
+        except IdempotencyKeyExpired as exc:
+            exc.http_status = prepared.type.expired_status
+            raise
+        seen.claimed(time.perf_counter() - claiming)
+        if not claim.created:
+            seen.finished("replayed" if claim.replayed else "existing", started)
+            return claim.operation, claim.replayed
+        op_id = claim.operation.id
+        try:
+            record = submit_and_record(
+                self.store,
+                adapter,
+                claim.operation,
+                prepared.payload,
+                owner=self.owner,
+                lease=self.lease,
+                retry=self.retry,
+                sleep=self._sleep,
+                rand=self._rand,
+            )
+        except OutcomeNotRecorded as exc:
+            exc.operation_id = exc.operation_id or op_id
+            raise
+        except StorageError as exc:
+            # The claim is durable and the request may have reached the provider: this is
+            # never "nothing happened". The lease expires, the reconciler finds the truth.
+            raise OutcomeNotRecorded(
+                f"operation {op_id} may have reached the provider, but its outcome could not "
+                f"be recorded ({exc.message}); retry with the same key later",
+                operation_id=op_id,
+                retry_after=exc.retry_after,
+            ) from exc
+        if record.released:
+            # Certainly not sent: nothing stored as this key's answer; the same key runs again.
+            raise _not_sent(record)
+        seen.finished("fresh", started, record.state)
+        return record, False
+
+
+def _not_sent(record: OperationRecord) -> ProviderUnavailable:
+    code = record.error_code or "provider_unavailable"
+    said = (record.response or {}).get("retry_after")
+    # The provider's own Retry-After (60 s for refused credentials) when it gave one.
+    retry_after = float(said) if isinstance(said, int | float) and said > 0 else None
+    return ProviderUnavailable(
+        f"operation {record.id}: no attempt reached provider {record.provider!r} ({code}); "
+        "nothing was charged: retry with the same idempotency key after Retry-After seconds",
+        operation_id=record.id,
+        retry_after=retry_after,
+        code=code,
+    )
+
+
+_CONFIGURATION_RETRY_AFTER = 60.0  # seconds
+_LATE_RACES = 5  # attempts to fence a late conflict's flag before only recording it
+
+
+def _submit_once(adapter: Provider, request: SubmitRequest) -> tuple[Answer, bool]:
+    """One attempt; returns the answer and whether it flags the operation for a human."""
+    try:
+        return adapter.submit(request), False
+    except ProviderIdempotencyError as exc:
+        # The provider holds a different request under our key: we cannot tell what it did
+        # with this one. Unknown, and a human should look.
+        return Answer(kind=AnswerKind.AMBIGUOUS, code="idempotency_error", message=str(exc)), True
+    except ConfigurationError as exc:
+        # The adapter refused before sending (e.g. an operation it does not support).
+        # Flagged for the operator; a caller comes back with the same key once it is fixed,
+        # not every few seconds.
+        answer = Answer(
+            kind=AnswerKind.NOT_SENT,
+            code="configuration_error",
+            message=str(exc),
+            retry_after=_CONFIGURATION_RETRY_AFTER,
+        )
+        return answer, True
+    except (UnicodeEncodeError, InvalidRequest) as exc:
+        # The adapter could not turn the request into bytes, or refused it as invalid:
+        # either way none of it reached the wire.
+        code = "request_unencodable" if isinstance(exc, UnicodeEncodeError) else "invalid_request"
+        return Answer(kind=AnswerKind.NOT_SENT, code=code, message=str(exc)), True
+    except Exception as exc:  # noqa: BLE001 - an adapter bug must not escape unclassified
+        # We cannot tell whether the request went out before it failed: possibly sent, so
+        # the operation becomes unknown (the reconciler asks the provider) and is flagged.
+        message = f"{type(exc).__name__}: {exc}"[:500]
+        return Answer(kind=AnswerKind.AMBIGUOUS, code="adapter_error", message=message), True
+
+
+def submit_and_record(
+    store: Store,
+    adapter: Provider,
+    record: OperationRecord,
+    payload: Mapping[str, Any],
+    *,
+    owner: str,
+    lease: timedelta,
+    retry: RetryPolicy,
+    sleep: Callable[[float], None] = pause,  # awaits when run for the async API
+    rand: Callable[[], float] = random.random,
+    actor_kind: str = "provider_answer",
+    not_sent_is_final: bool = True,
+) -> OperationRecord:
+    """Submit ``record`` (lease held by ``owner``, attempt marked possibly sent) and record
+    the classified answer. Shared by the executor and the reconciler's re-submission.
+
+    When no attempt got through, the operation is released (``in_progress``, leased by
+    nobody, nothing possibly sent: :attr:`OperationRecord.released`) and no outcome is
+    stored; the executor then raises ``ProviderUnavailable``. ``not_sent_is_final=False``
+    (re-submission): it stays ``outcome_unknown`` for a later check instead, because an
+    earlier attempt, outside this call, may still surface at the provider.
+    """
+    request = SubmitRequest(
+        tenant_id=record.tenant_id,
+        operation=record.operation,
+        operation_id=record.id,
+        downstream_key=record.downstream_key,
+        payload=payload,
+        idempotency_key=record.idempotency_key,
+        fingerprint=record.fingerprint,
+    )
+    # What the provider echoes of a sensitive value is stored nowhere (evidence, response).
+    redactor = Redactor.of(record.request, payload)
+    calls = metrics.for_provider(adapter.name)
+    attempt = 1
+    while True:
+        started = time.monotonic()
+        with tracing.attempt(adapter.name, request, attempt) as span:
+            answer, attention = _submit_once(adapter, request)
+            tracing.answered(span, answer)
+        logs.answered(request, attempt, answer)
+        answer = redactor.answer(answer)
+        calls.answered("submit", answer.kind, time.monotonic() - started)
+        detail = {
+            "attempt": attempt,
+            "duration_ms": round((time.monotonic() - started) * 1000, 1),
+            "downstream_key": record.downstream_key,
+            **answer.evidence(),
+        }
+        retryable = answer.kind is AnswerKind.NOT_SENT and not attention
+        too_long = (answer.retry_after or 0) > retry.max_delay
+        if retryable and attempt < retry.max_attempts and not too_long:
+            delay = backoff_delay(
+                attempt - 1,
+                base=retry.base_delay,
+                cap=retry.max_delay,
+                rand=rand,
+                floor=answer.retry_after or 0.0,
+            )
+            detail["retry_in_ms"] = round(delay * 1000, 1)
+            logs.retrying(request, attempt, answer, delay)
+            try:
+                # Records this attempt and renews the lease; the next one is possibly sent.
+                record = _record(
+                    store,
+                    record,
+                    State.IN_PROGRESS,
+                    kind="attempt",
+                    actor=owner,
+                    detail=detail,
+                    lease=lease,
+                    lease_owner=owner,
+                    attempts_delta=1,
+                )
+            except StaleVersion:
+                return _late(store, record, owner, detail, answer)
+            calls.retried()
+            sleep(delay)
+            attempt += 1
+            continue
+        decision = decide(
+            answer,
+            first_check=retry.first_check,
+            pending_check=retry.pending_check,
+            not_sent_is_final=not_sent_is_final,
+        )
+        values: dict[str, Any] = {
+            "response": decision.response,
+            "error_code": decision.error_code,
+            "resolution": actor_kind if decision.state.terminal else None,
+            "provider_reference": decision.provider_reference,
+        }
+        released = decision.state is State.IN_PROGRESS and not_sent_is_final
+        if answer.kind is AnswerKind.NOT_SENT and not_sent_is_final:
+            values["possibly_sent"] = False  # every attempt was refused before sending
+        if attention:
+            values["needs_attention"] = True
+        try:
+            done = _record(
+                store,
+                record,
+                decision.state,
+                kind="not_sent" if released else actor_kind,
+                actor=owner,
+                detail=detail,
+                next_check_in=decision.next_check_in,
+                **values,
+            )
+        except StaleVersion:
+            return _late(store, record, owner, detail, answer)
+        if attention and not record.needs_attention:
+            metrics.escalated("adapter")  # the adapter could not be trusted: flagged
+        return done
+
+
+def _record(store: Store, record: OperationRecord, state: State, **values: Any) -> OperationRecord:
+    """``store.transition`` under a ``payorch.record`` span, logged once written."""
+    with tracing.record(record, state, values["kind"]):
+        after = store.transition(record, state, **values)
+    logs.transition(record, after, values["kind"], values.get("detail"))
+    return after
+
+
+def _late(
+    store: Store,
+    record: OperationRecord,
+    owner: str,
+    detail: Mapping[str, Any],
+    answer: Answer,
+) -> OperationRecord:
+    """Our lease was lost: the answer is evidence, never a write over the new holder.
+
+    If the operation was meanwhile settled otherwise (reconciler, operator, webhook), the
+    answer is kept as conflicting evidence and the operation flagged, in one fenced write.
+    """
+    for _ in range(_LATE_RACES):
+        current = store.get(record.tenant_id, record.id)
+        reason = late_conflict(current.state, current.provider_reference, answer)
+        logs.late_answer(current, answer, reason)
+        if reason is None:
+            store.append_event(current, kind="late_answer", actor=owner, detail=detail)
+            return current
+        conflict = {**detail, "late": True, "conflicts_with": current.state.value}
+        conflict["conflict"] = reason
+        try:
+            flagged = store.flag_attention(
+                current, kind="conflicting_evidence", actor=owner, detail=conflict
+            )
+        except StaleVersion:
+            continue  # written meanwhile (e.g. flagged by someone else): judge it again
+        logs.transition(current, flagged, "conflicting_evidence", conflict)
+        if not current.needs_attention:
+            metrics.escalated("conflict")
+        return flagged
+    # Still racing: keep the evidence even if the flag could not be fenced in.
+    store.append_event(current, kind="late_answer", actor=owner, detail=conflict)
+    return store.get(record.tenant_id, record.id)

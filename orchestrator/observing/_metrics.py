@@ -1,0 +1,416 @@
+"""Prometheus metrics: one registry that owns every metric payorch exports.
+
+Counters and histograms are updated where the work happens (executor, reconciler, webhook
+handler, daemon); the state gauges are computed when scraped, by :class:`StoreGauges`, from
+cheap indexed queries. Label values are bounded: operation types and providers this process
+configured, states, answer kinds, error names; never a key, a tenant or an operation id.
+
+Without ``prometheus_client`` (the ``payorch[metrics]`` extra) everything here is a no-op:
+``registry`` is ``None``, the decorators return the function they were given, and the
+helpers hand out objects whose methods do nothing.
+
+An embedding service exposes :data:`registry` itself, e.g.
+``prometheus_client.make_asgi_app(registry=payorch.metrics.registry)`` or
+``prometheus_client.generate_latest(payorch.metrics.registry)``, and calls
+:func:`watch` with its store for the state gauges.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+try:
+    import prometheus_client
+    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.registry import Collector
+except ImportError:  # without the extra every metric is a no-op
+    prometheus_client = None  # type: ignore[assignment]  # the module or nothing
+    Collector = object  # type: ignore[assignment,misc]  # only a base class below
+
+from ..core import State
+from ..errors import PayorchError, WebhookRejected
+from ..provider import AnswerKind
+from ..storage._probes import OneAtATime, read_gauges
+from ..storage._replication import MODES, Status
+
+if TYPE_CHECKING:
+    from ..storage._store import Store
+
+__all__ = [
+    "AVAILABLE",
+    "Recorder",
+    "StoreGauges",
+    "checked",
+    "counts_executions",
+    "counts_webhooks",
+    "enabled",
+    "escalated",
+    "exposition",
+    "for_execution",
+    "for_provider",
+    "pass_finished",
+    "registry",
+    "set_enabled",
+    "watch",
+]
+
+AVAILABLE = prometheus_client is not None
+UNKNOWN = "unknown"  # the label value for a name this process does not know (bounded)
+RETURNED = ("fresh", "replayed", "existing")  # refused: counted by counts_executions
+F = TypeVar("F", bound=Callable[..., Any])
+
+_enabled = AVAILABLE
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def set_enabled(on: bool) -> None:
+    """Switch recording on or off at run time (the scrape still answers); for benchmarks."""
+    global _enabled  # noqa: PLW0603 - one process-wide switch
+    _enabled = on and AVAILABLE
+
+
+def error_name(exc: BaseException) -> str:
+    """A bounded label for an error: the last part of its stable problem type."""
+    if isinstance(exc, PayorchError):
+        return exc.problem_type.rsplit(":", 1)[-1].replace("-", "_")
+    return "internal_error"
+
+
+if prometheus_client is not None:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    registry: CollectorRegistry | None = CollectorRegistry()
+    _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+    _SLOW = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+    def _counter(name: str, doc: str, *labels: str) -> Counter:
+        return Counter(f"payorch_{name}", doc, labels, registry=registry)
+
+    def _histogram(name: str, doc: str, buckets: tuple[float, ...], *labels: str) -> Histogram:
+        return Histogram(f"payorch_{name}", doc, labels, buckets=buckets, registry=registry)
+
+    _OP = ("operation", "provider")
+    EXECUTIONS = _counter(
+        "executions",
+        "execute() calls by result: fresh, replayed, existing (unknown as it stands), refused",
+        *_OP,
+        "result",
+    )
+    REFUSALS = _counter(
+        "execution_refusals",
+        "execute() calls that raised, by the error's short name",
+        *_OP,
+        "reason",
+    )
+    OUTCOMES = _counter("execution_outcomes", "States fresh executions ended in", *_OP, "state")
+    EXECUTE_SECONDS = _histogram(
+        "execute_duration_seconds",
+        "execute() latency of calls that returned",
+        _SLOW,
+        *_OP,
+        "result",
+    )
+    CLAIM_SECONDS = _histogram("claim_duration_seconds", "Latency of the claim", _FAST)
+    ANSWERS = _counter(
+        "provider_answers",
+        "Provider answers by call (submit, status) and kind",
+        "provider",
+        "call",
+        "kind",
+    )
+    PROVIDER_SECONDS = _histogram(
+        "provider_call_duration_seconds", "Latency of one provider call", _SLOW, "provider", "call"
+    )
+    RETRIES = _counter(
+        "inline_retries",
+        "Attempts retried inline (the previous one certainly not sent)",
+        "provider",
+    )
+    CHECKS = _counter("reconciler_checks", "Reconciler checks by result", "result")
+    ESCALATIONS = _counter(
+        "escalations", "Operations newly flagged needs_attention, by reason", "reason"
+    )
+    WEBHOOKS = _counter(
+        "webhooks",
+        "Webhook deliveries by status (rejected: signature or body)",
+        "provider",
+        "status",
+    )
+    PASSES = _counter(
+        "reconciler_passes", "Daemon passes: ok, skipped (database away), failed", "result"
+    )
+    LAST_PASS = Gauge(
+        "payorch_reconciler_last_pass_timestamp_seconds",
+        "Unix time the daemon's last successful pass finished",
+        registry=registry,
+    )
+else:
+    registry = None
+
+
+class _Nothing:
+    """Stands in for every bound metric when recording is off: each method does nothing."""
+
+    def claimed(self, seconds: float) -> None:
+        pass
+
+    def finished(self, result: str, started: float, state: State | None = None) -> None:
+        pass
+
+    def answered(self, call: str, kind: AnswerKind, seconds: float) -> None:
+        pass
+
+    def retried(self) -> None:
+        pass
+
+
+_NOTHING = _Nothing()
+Recorder = _Nothing  # what for_execution() and for_provider() hand out
+
+
+class ExecutionMetrics(_Nothing):
+    """The children of one (operation, provider), bound once: no label look-ups per call."""
+
+    __slots__ = ("_outcomes", "_results")
+
+    def __init__(self, operation: str, provider: str) -> None:
+        self._results = {
+            r: (
+                EXECUTIONS.labels(operation, provider, r),
+                EXECUTE_SECONDS.labels(operation, provider, r),
+            )
+            for r in RETURNED
+        }
+        self._outcomes = {s: OUTCOMES.labels(operation, provider, s.value) for s in State}
+
+    def claimed(self, seconds: float) -> None:
+        CLAIM_SECONDS.observe(seconds)
+
+    def finished(self, result: str, started: float, state: State | None = None) -> None:
+        count, latency = self._results[result]
+        count.inc()
+        latency.observe(time.perf_counter() - started)
+        if state is not None:
+            self._outcomes[state].inc()
+
+
+class ProviderMetrics(_Nothing):
+    __slots__ = ("_answers", "_retries", "_seconds")
+
+    def __init__(self, provider: str) -> None:
+        calls = ("submit", "status")
+        self._answers = {
+            (c, k): ANSWERS.labels(provider, c, k.value) for c in calls for k in AnswerKind
+        }
+        self._seconds = {c: PROVIDER_SECONDS.labels(provider, c) for c in calls}
+        self._retries = RETRIES.labels(provider)
+
+    def answered(self, call: str, kind: AnswerKind, seconds: float) -> None:
+        self._answers[call, kind].inc()
+        self._seconds[call].observe(seconds)
+
+    def retried(self) -> None:
+        self._retries.inc()
+
+
+_executions: dict[tuple[str, str], ExecutionMetrics] = {}
+_providers: dict[str, ProviderMetrics] = {}
+_checks: dict[str, Any] = {}
+_escalations: dict[str, Any] = {}
+
+
+def for_execution(operation: str, provider: str) -> _Nothing:
+    """The bound metrics of one configured (operation type, provider)."""
+    if not _enabled:
+        return _NOTHING
+    found = _executions.get((operation, provider))
+    if found is None:
+        found = _executions.setdefault((operation, provider), ExecutionMetrics(operation, provider))
+    return found
+
+
+def for_provider(provider: str) -> _Nothing:
+    if not _enabled:
+        return _NOTHING
+    found = _providers.get(provider)
+    if found is None:
+        found = _providers.setdefault(provider, ProviderMetrics(provider))
+    return found
+
+
+def _child(cache: dict[str, Any], metric: Any, value: str) -> Any:
+    found = cache.get(value)
+    if found is None:
+        found = cache.setdefault(value, metric.labels(value))
+    return found
+
+
+def checked(result: str) -> None:
+    """One reconciler check ended with ``result`` (a bounded word, as in its report)."""
+    if _enabled:
+        _child(_checks, CHECKS, result).inc()
+
+
+def escalated(reason: str) -> None:
+    """An operation was newly flagged ``needs_attention`` (the write committed)."""
+    if _enabled:
+        _child(_escalations, ESCALATIONS, reason).inc()
+
+
+def pass_finished(result: str) -> None:
+    if _enabled:
+        PASSES.labels(result).inc()
+        if result == "ok":
+            LAST_PASS.set_to_current_time()
+
+
+def counts_executions(fn: F) -> F:
+    """Counts what ``Executor.execute`` raises (the refusals; what returns counts itself)."""
+    if not AVAILABLE:
+        return fn
+
+    @functools.wraps(fn)
+    def execute(self: Any, /, **kwargs: Any) -> Any:
+        try:
+            return fn(self, **kwargs)
+        except Exception as exc:
+            if _enabled:
+                operation, provider = _labels(self, kwargs.get("operation"), kwargs.get("provider"))
+                EXECUTIONS.labels(operation, provider, "refused").inc()
+                REFUSALS.labels(operation, provider, error_name(exc)).inc()
+            raise
+
+    return cast(F, execute)
+
+
+def _labels(executor: Any, operation: Any, provider: Any) -> tuple[str, str]:
+    """Bounded labels for a refused call: names this executor knows, else ``unknown``."""
+    op_type = executor.registry.types.get(operation) if isinstance(operation, str) else None
+    if not provider and op_type is not None:
+        provider = op_type.provider
+    known = isinstance(provider, str) and provider in executor.providers
+    return (operation if op_type is not None else UNKNOWN, provider if known else UNKNOWN)
+
+
+def counts_webhooks(fn: F) -> F:
+    """Counts ``WebhookHandler.handle`` by the status it returns, or ``rejected``/``error``."""
+    if not AVAILABLE:
+        return fn
+
+    @functools.wraps(fn)
+    def handle(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            result = fn(self, *args, **kwargs)
+        except Exception as exc:
+            if _enabled:
+                name = args[1] if len(args) > 1 else kwargs.get("provider")
+                known = name if isinstance(name, str) and name in self.providers else UNKNOWN
+                status = "rejected" if isinstance(exc, WebhookRejected) else "error"
+                WEBHOOKS.labels(known, status).inc()
+            raise
+        if _enabled:
+            name = args[1] if len(args) > 1 else kwargs["provider"]
+            WEBHOOKS.labels(name, str(result.status)).inc()
+        return result
+
+    return cast(F, handle)
+
+
+# -- gauges computed at scrape time ---------------------------------------------------
+
+
+class StoreGauges(Collector):
+    """Reads the operations table when scraped: active states, due backlog, attention, the
+    oldest unknown, and ``payorch_database_up`` (0, never an error, when the read fails or
+    takes longer than ``timeout``); on PostgreSQL the replication mode and standbys too.
+    """
+
+    def __init__(self, store: Store, *, timeout: float = 5.0) -> None:
+        self.store = store
+        self.read = OneAtATime(lambda: read_gauges(store), timeout=timeout)
+
+    def describe(self) -> Iterator[Any]:
+        return iter(())  # no query at registration time
+
+    def collect(self) -> Iterator[Any]:
+        values = self.read()
+        up = GaugeMetricFamily("payorch_database_up", "1 if the state query succeeded")
+        up.add_metric([], 0.0 if values is None else 1.0)
+        yield up
+        if values is None:
+            return
+        ops = GaugeMetricFamily(
+            "payorch_operations", "Non-terminal operations by state", labels=["state"]
+        )
+        for state, count in values["by_state"].items():
+            ops.add_metric([state], count)
+        yield ops
+        for name, text, key in (
+            ("payorch_due_operations", "Operations due for a reconciler check now", "due"),
+            ("payorch_needs_attention_operations", "Operations flagged for a human", "attention"),
+            (
+                "payorch_oldest_unknown_age_seconds",
+                "Age of the oldest outcome_unknown operation (0: none)",
+                "oldest_unknown_age",
+            ),
+        ):
+            gauge = GaugeMetricFamily(name, text)
+            gauge.add_metric([], values[key])
+            yield gauge
+        if "replication" in values:
+            yield from _replication_gauges(values["replication"])
+
+
+def _replication_gauges(status: Status) -> Iterator[Any]:
+    """The PostgreSQL replication mode (one series per mode, 1 for the current one) and
+    the standbys streaming (absent when the role may not see them)."""
+    mode = GaugeMetricFamily(
+        "payorch_database_replication_mode",
+        "1 for the database's replication mode now (sync: commits wait for a streaming "
+        "synchronous standby), 0 for the others",
+        labels=["mode"],
+    )
+    for name in MODES:
+        mode.add_metric([name], 1.0 if status.mode == name else 0.0)
+    yield mode
+    for name, text, value in (
+        (
+            "payorch_database_sync_standbys",
+            "Synchronous standbys streaming",
+            status.sync_standbys_streaming,
+        ),
+        ("payorch_database_standbys", "Standbys streaming", status.standbys_streaming),
+    ):
+        if value is not None:
+            gauge = GaugeMetricFamily(name, text)
+            gauge.add_metric([], float(value))
+            yield gauge
+
+
+_watched: list[StoreGauges] = []
+
+
+def watch(store: Store, *, timeout: float = 5.0) -> StoreGauges | None:
+    """Export the state gauges of ``store`` in :data:`registry` (replaces an earlier one)."""
+    if registry is None:
+        return None
+    for old in _watched:
+        registry.unregister(old)
+    _watched.clear()
+    gauges = StoreGauges(store, timeout=timeout)
+    registry.register(gauges)
+    _watched.append(gauges)
+    return gauges
+
+
+def exposition() -> tuple[bytes, str] | None:
+    """The registry in the text format and its content type; ``None`` without the extra."""
+    if registry is None:
+        return None
+    return prometheus_client.generate_latest(registry), prometheus_client.CONTENT_TYPE_LATEST

@@ -1,0 +1,477 @@
+"""The reconciler: drive ``outcome_unknown`` and abandoned ``in_progress`` to the truth.
+
+It leases due operations in batches, asks the provider, and applies the evidence. It never
+guesses a money outcome: what it cannot prove stays ``outcome_unknown`` and, after enough
+checks or age, is flagged ``needs_attention`` for a human.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from .._redaction import Redactor
+from ..core import State, backoff_delay
+from ..errors import ConfigurationError, CorruptRecord, StaleVersion
+from ..execution._executor import RetryPolicy, owner_of_this_process, submit_and_record
+from ..observing import _logs as logs
+from ..observing import _metrics as metrics
+from ..observing import _tracing as tracing
+from ..operations import REDACTED
+from ..outcome import Decision, settled
+from ..provider import AnswerKind, Provider, StatusQuery
+from ..records import OperationRecord
+from ..storage._store import Store
+from ..storage._tables import db_now_plus, operations
+from ._policy import DEFAULT_CONCURRENCY, ReconcileReport, ReconcilerPolicy
+
+__all__ = ["ReconcileReport", "Reconciler", "ReconcilerPolicy"]
+
+
+def _pool_size(store: Store) -> int | None:
+    """The store's pooled connections (a QueuePool's size), or None if it does not pool."""
+    size = getattr(store.engine.pool, "size", None)
+    return int(size()) if callable(size) else None
+
+
+class Reconciler:
+    def __init__(
+        self,
+        *,
+        store: Store,
+        providers: Iterable[Provider],
+        policy: ReconcilerPolicy | None = None,
+        owner: str | None = None,
+        submit_retry: RetryPolicy | None = None,
+        rand: Callable[[], float] = random.random,
+        tenant_ids: Collection[str] | None = None,
+    ) -> None:
+        self.store = store
+        self.providers = {p.name: p for p in providers}
+        self.policy = policy or ReconcilerPolicy()
+        self.owner = owner or owner_of_this_process(self, "reconciler")
+        self.submit_retry = submit_retry or RetryPolicy(max_attempts=1)
+        self._rand = rand
+        # None: every tenant. A set: only those (a daemon per shard, or the demo's own).
+        self.tenant_ids = frozenset(tenant_ids) if tenant_ids is not None else None
+        pool = _pool_size(store)
+        wanted = self.policy.concurrency
+        if wanted is not None and pool is not None and wanted > pool:
+            raise ConfigurationError(
+                f"reconciler concurrency {wanted} exceeds the store's pool of {pool} "
+                "connections; lower the concurrency or raise the pool size"
+            )
+        self.concurrency = wanted or min(DEFAULT_CONCURRENCY, pool or DEFAULT_CONCURRENCY)
+        # The longest one check may take: a check whose claimed lease has less than this
+        # left when it starts (it queued behind others) renews its lease first.
+        self.check_bound = self.policy.lease
+        bounds = [p.max_call_duration * 3 + timedelta(seconds=1) for p in self.providers.values()]
+        if bounds:
+            self.check_bound = max(bounds)
+        for p in self.providers.values():
+            # A check may cost three calls: a lookup by metadata, a read by reference, and
+            # a re-submission. The lease must cover them all.
+            needed = p.max_call_duration * 3 + timedelta(seconds=1)
+            if self.policy.lease < needed:
+                raise ConfigurationError(
+                    f"reconciler lease {self.policy.lease.total_seconds():g}s cannot cover "
+                    f"one check on {p.name!r} ({needed.total_seconds():g}s: three calls of "
+                    f"{p.max_call_duration.total_seconds():g}s); raise the lease"
+                )
+
+    # -- one pass ---------------------------------------------------------------------
+
+    def reconcile_once(
+        self,
+        stop: threading.Event | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        *,
+        refill_for: float = 0.0,
+    ) -> ReconcileReport:
+        """Lease one batch of due operations and settle what evidence allows.
+
+        Up to ``concurrency`` checks run at once, each in a worker thread. The batch is
+        leased for one check's time; a check that starts with less than one check's bound
+        left on that lease (it waited behind others) first renews its own lease, fenced by
+        version, so every check runs under a lease that covers it and an operation whose
+        lease lapsed and was taken by another reconciler is skipped (``lost_race``).
+
+        ``refill_for`` > 0 (the daemon's draining passes) keeps the checks busy: whenever
+        fewer checks wait than run at once, the next batch is leased, for up to that many
+        seconds from the pass's start; then the pass finishes what it holds. Without it a
+        pass is one batch, and its last checks would run with free workers beside them.
+        ``progress(done, picked)`` is called once a batch is leased and after each check.
+        """
+        report = ReconcileReport()
+        started = time.monotonic()
+        pending: deque[tuple[OperationRecord, datetime, float]] = deque()
+        more = True  # whether leasing another batch may find work
+        done = 0
+
+        def tick(what: str | None = None) -> None:
+            """A check finished (``what`` it found), or a batch was leased: report it."""
+            nonlocal done
+            if what is not None:
+                report.add(what)  # the report and its callbacks: the calling thread only
+                done += 1
+            if progress is not None:
+                progress(done, report.picked)
+
+        def lease_more() -> None:
+            nonlocal more
+            stopping = stop is not None and stop.is_set()
+            if report.picked and (stopping or time.monotonic() - started >= refill_for):
+                more = False
+                return
+            # Measured before the claim: the lease was set by the DB clock after this.
+            claimed_at = time.monotonic()
+            batch = self.store.claim_due(
+                owner=self.owner,
+                lease=self.policy.lease,
+                limit=self.policy.batch_size,
+                tenant_ids=self.tenant_ids,
+                on_quarantine=lambda _exc: report.add("quarantined"),
+            )
+            report.picked += len(batch)
+            pending.extend((record, now, claimed_at) for record, now in batch)
+            more = len(batch) == self.policy.batch_size  # a short batch: nothing more is due
+            tick()
+
+        lease_more()
+        if not pending:
+            return report
+        if self.concurrency == 1:
+            return self._check_inline(
+                pending, report, stop=stop, tick=tick, lease_more=lease_more, more=lambda: more
+            )
+        finished: queue.SimpleQueue[Future[str]] = queue.SimpleQueue()
+        running = 0
+        with ThreadPoolExecutor(self.concurrency, thread_name_prefix="payorch-check") as pool:
+            while True:
+                if stop is not None and stop.is_set():
+                    self._hand_back(pending, report)  # checks in flight finish
+                elif more and len(pending) < self.concurrency:
+                    lease_more()  # while the running checks wait on their providers
+                while pending and running < self.concurrency:
+                    record, now, claimed_at = pending.popleft()
+                    # Each check in its own thread, under the caller's tracing context.
+                    ctx = contextvars.copy_context()
+                    job = pool.submit(ctx.run, self._check_leased, record, now, claimed_at)
+                    job.add_done_callback(finished.put)  # one wake-up per finished check
+                    running += 1
+                if not running:
+                    break
+                tick(finished.get().result())
+                running -= 1
+        return report
+
+    def _check_inline(
+        self,
+        pending: deque[tuple[OperationRecord, datetime, float]],
+        report: ReconcileReport,
+        *,
+        stop: threading.Event | None,
+        tick: Callable[[str], None],
+        lease_more: Callable[[], None],
+        more: Callable[[], bool],
+    ) -> ReconcileReport:
+        """One check at a time in the calling thread: no pool, and the only way under the
+        async bridge, where database I/O must stay in the caller's greenlet."""
+        while pending:
+            if stop is not None and stop.is_set():
+                self._hand_back(pending, report)
+                break
+            record, now, claimed_at = pending.popleft()
+            tick(self._check_leased(record, now, claimed_at))
+            if not pending and more():
+                lease_more()
+        return report
+
+    def _hand_back(
+        self, pending: deque[tuple[OperationRecord, datetime, float]], report: ReconcileReport
+    ) -> None:
+        """Graceful stop: leased operations not yet checked go back untouched instead of
+        sitting on leases."""
+        while pending:
+            self.store.release(pending.popleft()[0])
+            report.released += 1
+
+    def _check_leased(self, record: OperationRecord, now: datetime, claimed_at: float) -> str:
+        """One check of a claimed operation, renewing its lease first if the wait ate it."""
+        try:
+            left = self.policy.lease.total_seconds() - (time.monotonic() - claimed_at)
+            if left < self.check_bound.total_seconds():
+                # Queued behind other checks: restart the lease so it covers this check.
+                # Fenced by version: if it lapsed and another reconciler took it, we skip.
+                record, now = self.store.renew_lease(
+                    record, owner=self.owner, lease=self.policy.lease
+                )
+            return self.check(record, now)
+        except StaleVersion:
+            return "lost_race"
+        except Exception as exc:  # noqa: BLE001 - one broken operation must not stall the rest
+            return self._check_failed(record, now, exc)
+
+    def _check_failed(self, record: OperationRecord, now: datetime, exc: Exception) -> str:
+        """Record the error as an event and look again later, with backoff."""
+        detail = {"error": type(exc).__name__, "message": str(exc)[:500]}
+        try:
+            # The check may have written before failing (a re-submission): act on what is
+            # stored now, and only while the lease is still ours.
+            record = self.store.get(record.tenant_id, record.id)
+            if record.lease_owner != self.owner:
+                return "lost_race"
+            # A failed check counts like any other toward max_checks / max_unknown_age, so an
+            # operation whose checks keep raising ends flagged instead of retried unseen.
+            if record.state is State.IN_PROGRESS and not record.possibly_sent:
+                # Nothing was sent: no provider's word is needed, so it stays in_progress
+                # (abandoned on a later pass) rather than becoming unknown.
+                self._reschedule(record, now, kind="check_error", detail=detail, keep=True)
+            else:
+                # Unknown, or in_progress with an attempt possibly sent (its lease expired,
+                # or our re-submission broke): unknown until evidence says otherwise.
+                self._reschedule(record, now, kind="check_error", detail=detail)
+        except StaleVersion:
+            return "lost_race"
+        except CorruptRecord:
+            # Corrupted between the lease and the check: the next pass quarantines it.
+            return "check_error"
+        return "check_error"
+
+    def run_until_idle(self, max_passes: int = 100) -> ReconcileReport:
+        """Repeat passes until nothing is due (bounded); for tests, the demo and the CLI."""
+        total = ReconcileReport()
+        for _ in range(max_passes):
+            report = self.reconcile_once()
+            total.merge(report)
+            if report.picked == 0:
+                break
+        return total
+
+    # -- one operation ----------------------------------------------------------------
+
+    @tracing.instrumented_check
+    def check(self, record: OperationRecord, now: datetime) -> str:
+        """Settle one leased operation from evidence; returns what happened (for reports)."""
+        if record.state is State.IN_PROGRESS and not record.possibly_sent:
+            # No money can have moved, so no outcome is stored for it: released, the
+            # namespace's next request runs it again (same downstream key).
+            reason = {"reason": "lease expired and no attempt was possibly sent"}
+            self._write(
+                record,
+                State.IN_PROGRESS,
+                kind="abandoned",
+                actor=self.owner,
+                detail=reason,
+                possibly_sent=False,  # as it was; it also wakes waiters, who may run it
+            )
+            return "abandoned"
+        provider = self.providers.get(record.provider)
+        if provider is None:
+            self._reschedule(record, now, kind="check", detail={"error": "provider not configured"})
+            return "no_provider"
+        started = time.monotonic()
+        answer = provider.query_status(
+            StatusQuery(
+                tenant_id=record.tenant_id,
+                operation=record.operation,
+                operation_id=record.id,
+                downstream_key=record.downstream_key,
+                provider_reference=record.provider_reference,
+                payload=record.request or {},
+                idempotency_key=record.idempotency_key,
+                fingerprint=record.fingerprint,
+                created_at=record.created_at,
+            )
+        )
+        metrics.for_provider(provider.name).answered(
+            "status", answer.kind, time.monotonic() - started
+        )
+        # Only the stored request is at hand: values under its redacted names go.
+        answer = Redactor.of(record.request).answer(answer)
+        detail = {
+            "query": "status",
+            "duration_ms": round((time.monotonic() - started) * 1000, 1),
+            **answer.evidence(),
+        }
+        # "possibly sent" describes submissions; for a read it would only mislead.
+        detail.pop("possibly_sent", None)
+        duplicate = bool(answer.duplicates)
+        if duplicate:
+            # Two provider objects for one operation: settle by the evidence, but a human
+            # must look at the second effect.
+            found = (answer.provider_reference, *answer.duplicates)
+            detail["duplicate"] = [ref for ref in found if ref is not None]
+        decision = settled(answer)
+        if decision is not None:
+            self._finish(record, decision, kind="status_query", detail=detail, attention=duplicate)
+            return decision.state.value
+        if answer.kind is AnswerKind.NOT_FOUND:
+            return self._not_found(record, now, provider, detail)
+        # PENDING, or the provider is unavailable (AMBIGUOUS / NOT_SENT): look again later.
+        what = "pending" if answer.kind is AnswerKind.PENDING else "provider_unavailable"
+        self._reschedule(
+            record,
+            now,
+            kind="status_query",
+            detail=detail,
+            reference=answer.provider_reference,
+            attention=duplicate,
+        )
+        return what
+
+    def _not_found(
+        self, record: OperationRecord, now: datetime, provider: Provider, detail: dict[str, Any]
+    ) -> str:
+        age = now - record.created_at
+        if age < self.policy.not_found_grace:
+            detail["decision"] = "not found within the grace period: wait"
+            self._reschedule(record, now, kind="status_query", detail=detail)
+            return "not_found_waiting"
+        window = provider.idempotency_window
+        reason = None
+        # Judge the window by the database clock now, not the batch's pick time: earlier
+        # checks in the batch may have taken long. The UPDATE below re-checks it.
+        age = self.store.db_time() - record.created_at
+        if window is None:
+            reason = "provider honours no idempotency key: never re-send"
+        elif age > window - self.policy.window_margin:
+            reason = "past the provider's idempotency window: re-sending could charge twice"
+        elif record.request is None or REDACTED in record.request.values():
+            reason = "stored request is incomplete (redacted): cannot re-send"
+        if reason is not None:
+            detail["decision"] = f"escalate: {reason}"
+            self._reschedule(record, now, kind="status_query", detail=detail, attention=True)
+            return "escalated"
+        detail["decision"] = "not found after grace, within the key window: re-submit"
+        assert window is not None
+        still_covered = operations.c.created_at > db_now_plus(
+            sa.literal(-(window - self.policy.window_margin).total_seconds())
+        )
+        try:
+            moved = self._write(
+                record,
+                State.IN_PROGRESS,
+                kind="resubmit",
+                actor=self.owner,
+                detail=detail,
+                lease=self.policy.lease,
+                lease_owner=self.owner,
+                possibly_sent=True,
+                attempts_delta=1,
+                checks_delta=1,
+                guard=still_covered,
+            )
+        except StaleVersion:
+            if self.store.get(record.tenant_id, record.id).version != record.version:
+                raise  # someone else wrote it: a lost race
+            # Unchanged, so the window guard refused: the window closed while we looked.
+            detail["decision"] = "escalate: the key window closed before the re-send"
+            self._reschedule(record, now, kind="status_query", detail=detail, attention=True)
+            return "escalated"
+        final = submit_and_record(
+            self.store,
+            provider,
+            moved,
+            dict(record.request or {}),
+            owner=self.owner,
+            lease=self.policy.lease,
+            retry=self.submit_retry,
+            actor_kind="resubmission",
+            not_sent_is_final=False,
+        )
+        return f"resubmitted_{final.state.value}"
+
+    # -- writes -----------------------------------------------------------------------
+
+    def _finish(
+        self,
+        record: OperationRecord,
+        decision: Decision,
+        *,
+        kind: str,
+        detail: Mapping[str, Any],
+        attention: bool = False,
+    ) -> None:
+        self._write(
+            record,
+            decision.state,
+            kind=kind,
+            actor=self.owner,
+            detail=detail,
+            response=decision.response,
+            error_code=decision.error_code,
+            resolution=kind,
+            checks_delta=1,
+            # Settled by evidence: nothing left for a human, unless the evidence says so.
+            needs_attention=attention,
+            provider_reference=decision.provider_reference,
+        )
+        if attention and not record.needs_attention:
+            metrics.escalated("evidence")
+
+    def _reschedule(
+        self,
+        record: OperationRecord,
+        now: datetime,
+        *,
+        kind: str,
+        detail: dict[str, Any],
+        reference: str | None = None,
+        attention: bool = False,
+        keep: bool = False,
+    ) -> None:
+        """Count a check without an outcome and schedule the next (``keep``: stay in_progress)."""
+        checks = record.checks + 1
+        delay = backoff_delay(
+            checks,
+            base=self.policy.base_delay,
+            cap=self.policy.max_delay,
+            rand=self._rand,
+            floor=self.policy.base_delay,
+        )
+        too_old = now - record.created_at >= self.policy.max_unknown_age
+        flag = attention or record.needs_attention or checks >= self.policy.max_checks or too_old
+        escalation = None
+        if flag and not record.needs_attention:
+            escalation = "evidence" if attention else "max_age" if too_old else "max_checks"
+            age_s = (now - record.created_at).total_seconds()
+            detail["needs_attention"] = (
+                "escalated" if attention else f"{checks} checks, {age_s:.0f}s old"
+            )
+        self._write(
+            record,
+            State.IN_PROGRESS if keep else State.OUTCOME_UNKNOWN,
+            kind=kind,
+            actor=self.owner,
+            detail=detail,
+            next_check_in=timedelta(seconds=delay),
+            checks_delta=1,
+            needs_attention=flag,
+            provider_reference=reference,
+        )
+        if escalation is not None:
+            metrics.escalated(escalation)
+
+    def _write(self, record: OperationRecord, state: State, **values: Any) -> OperationRecord:
+        """``store.transition``, logged (an escalation is a WARNING with its reason)."""
+        after = self.store.transition(record, state, **values)
+        logs.transition(
+            record,
+            after,
+            values["kind"],
+            values.get("detail"),
+            logger=logs.reconciler_log,
+            level=logs.DEBUG,  # a batch's lines; the pass is summed up at INFO
+        )
+        return after

@@ -1,0 +1,282 @@
+"""Webhooks: verify, dedupe by event id in an inbox, find the operation, apply evidence.
+
+One entry point for the embedding app: ``handle(tenant_id, provider, headers, body)``.
+A bad signature raises (answer 400); everything else is a :class:`WebhookResult` the app
+answers with 200, so providers stop re-sending what payorch has already taken.
+
+The inbox row is inserted (``ON CONFLICT DO NOTHING``) in the same transaction as whatever
+the event writes: two concurrent deliveries of one event cannot both take effect, and a
+crash cannot apply an event without deduplicating it, or the reverse.
+
+A verified event that could not be stored as it is (an id, type or reference longer than its
+column, text the database cannot hold) is refused with :class:`WebhookUnstorable` (400)
+before anything is read or written: storing it by a digest would dedupe it, but under an id
+nobody can look up, and a 503 would make the provider re-send it for days.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from .._redaction import Redactor
+from ..core import State, is_namespace_key, operation_id_from_downstream_key, validate_tenant
+from ..errors import OperationNotFound, StaleVersion, UnknownProvider, WebhookUnstorable
+from ..observing import _logs as logs
+from ..observing import _metrics as metrics
+from ..observing import _tracing as tracing
+from ..outcome import WebhookResult, WebhookStatus, contradicts, settled
+from ..provider import Answer, AnswerKind, Provider, WebhookEvent
+from ..records import OperationRecord
+from ..storage._engine import read_in_transaction, run_in_transaction
+from ..storage._store import Store
+from ..storage._tables import db_now, operations, webhook_inbox
+
+__all__ = ["WebhookHandler"]
+
+_MAX_RACES = 5
+_log = logs.webhooks_log
+
+
+class _AlreadyHandled(Exception):
+    """The inbox already holds this event id: roll the transaction back."""
+
+
+_TARGET = {AnswerKind.SUCCEEDED: State.SUCCEEDED, AnswerKind.DECLINED: State.FAILED_FINAL}
+_CODE = {State.SUCCEEDED: None, State.FAILED_FINAL: "declined"}
+_MAX_CODE = 100  # payorch_operations.error_code
+
+
+def _column_length(column: sa.Column[str]) -> int:
+    length = getattr(column.type, "length", None)
+    assert isinstance(length, int)
+    return length
+
+
+# What a verified event writes into fixed-width columns: (label, field, column width).
+_LIMITS = (
+    ("event id", "event_id", _column_length(webhook_inbox.c.event_id)),
+    ("event type", "event_type", _column_length(webhook_inbox.c.event_type)),
+    ("provider reference", "provider_reference", _column_length(operations.c.provider_reference)),
+)
+
+
+def _unstorable(text: str) -> str | None:
+    """Why the database cannot hold ``text`` (PostgreSQL refuses NUL; UTF-8 lone surrogates)."""
+    if "\x00" in text:
+        return "contains a NUL character"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid Unicode (a lone surrogate)"
+    return None
+
+
+def check_storable(event: WebhookEvent) -> None:
+    """Refuse (400, nothing written) a verified event whose fields no column can hold."""
+    for label, name, limit in _LIMITS:
+        value = getattr(event, name)
+        if value is None:
+            continue
+        if len(value) > limit:
+            raise WebhookUnstorable(
+                f"webhook {label} is {len(value)} characters long; at most {limit} are stored"
+            )
+        problem = _unstorable(value)
+        if problem is not None:
+            raise WebhookUnstorable(f"webhook {label} {problem}")
+
+
+def _lookup_id(value: str | None) -> str | None:
+    # An id taken from the event's metadata or key: one that no row can hold finds nothing
+    # (and must not reach the database, which may refuse it outright).
+    if value is None or len(value) > _column_length(operations.c.id) or _unstorable(value):
+        return None
+    return value
+
+
+class WebhookHandler:
+    def __init__(
+        self, *, store: Store, providers: Iterable[Provider], actor: str = "webhook"
+    ) -> None:
+        self.store = store
+        self.providers = {p.name: p for p in providers}
+        self.actor = actor
+
+    @metrics.counts_webhooks
+    @tracing.instrumented_webhook
+    def handle(
+        self, tenant_id: str, provider: str, headers: Mapping[str, str], body: bytes
+    ) -> WebhookResult:
+        validate_tenant(tenant_id)
+        adapter = self.providers.get(provider)
+        if adapter is None:
+            raise UnknownProvider(f"no provider named {provider!r} is configured")
+        event = adapter.parse_webhook(headers, body)  # raises WebhookRejected: nothing changed
+        check_storable(event)  # before the first query: nothing read, nothing written
+        duplicate = WebhookResult(status=WebhookStatus.DUPLICATE, event_id=event.event_id)
+        if self._seen(tenant_id, provider, event.event_id):  # fast path; the insert decides
+            return duplicate
+        inbox = _Inbox(self.store, tenant_id, provider, event)
+        try:
+            record = self._find(tenant_id, provider, event)
+            if record is None:
+                return inbox.only(WebhookStatus.UNMATCHED, None)
+            if event.outcome is None:
+                return inbox.only(WebhookStatus.IGNORED, record)
+            for _ in range(_MAX_RACES):
+                try:
+                    return self._apply(inbox, event, record)
+                except StaleVersion:
+                    record = self.store.get(tenant_id, record.id)
+        except _AlreadyHandled:
+            return duplicate
+        raise StaleVersion(f"operation {record.id} kept changing", operation_id=record.id)
+
+    # -- steps ------------------------------------------------------------------------
+
+    def _seen(self, tenant_id: str, provider: str, event_id: str) -> bool:
+        i = webhook_inbox.c
+        query = sa.select(i.event_id).where(
+            i.tenant_id == tenant_id, i.provider == provider, i.event_id == event_id
+        )
+        return read_in_transaction(
+            self.store.engine, lambda conn: conn.execute(query).first() is not None
+        )
+
+    def _find(self, tenant_id: str, provider: str, event: WebhookEvent) -> OperationRecord | None:
+        if event.downstream_key and is_namespace_key(event.downstream_key):
+            # Our key names the namespace: the operation is the one that holds it.
+            found = self.store.find_by_downstream_key(tenant_id, provider, event.downstream_key)
+            if found is not None:
+                return found
+        op_id = _lookup_id(event.operation_id)
+        if op_id is None and event.downstream_key:
+            op_id = _lookup_id(operation_id_from_downstream_key(event.downstream_key))
+        if op_id is not None:
+            try:
+                found = self.store.get(tenant_id, op_id)
+            except OperationNotFound:
+                found = None
+            if found is not None and found.provider == provider:
+                return found
+        if event.provider_reference:
+            return self.store.find_by_reference(tenant_id, provider, event.provider_reference)
+        return None
+
+    def _apply(self, inbox: _Inbox, event: WebhookEvent, record: OperationRecord) -> WebhookResult:
+        assert event.outcome is not None
+        detail = {
+            "event_id": event.event_id,
+            "event_type": event.event_type,
+            "outcome": event.outcome.value,
+            "provider_reference": event.provider_reference,
+        }
+        if event.code is not None:
+            detail["code"] = event.code
+        if event.lifecycle is not None:
+            # What became of the effect afterwards (e.g. a released authorisation).
+            detail["lifecycle"] = event.lifecycle
+        target = _TARGET.get(event.outcome)
+        if contradicts(record.state, event.outcome):
+            # A second, different final word: keep both, change nothing, call a human.
+            detail["conflicts_with"] = record.state.value
+            flagged = self.store.flag_attention(
+                record,
+                kind="conflicting_evidence",
+                actor=self.actor,
+                detail=detail,
+                also=inbox.claim(WebhookStatus.CONFLICT),
+            )
+            logs.transition(record, flagged, "conflicting_evidence", detail, logger=_log)
+            if not record.needs_attention:
+                metrics.escalated("conflict")
+            return inbox.result(WebhookStatus.CONFLICT, record)
+        if record.terminal or target is None:
+            # Confirms the terminal state, or says "pending": evidence without a change.
+            self.store.append_event(
+                record,
+                kind="webhook_evidence",
+                actor=self.actor,
+                detail=detail,
+                also=inbox.claim(WebhookStatus.RECORDED),
+            )
+            return inbox.result(WebhookStatus.RECORDED, record)
+        ref = event.provider_reference or record.provider_reference
+        # The adapter's code, as its status query would store it for the same decline.
+        code = (event.code or "")[:_MAX_CODE] or _CODE[target]
+        decision = settled(Answer(kind=event.outcome, provider_reference=ref, code=code))
+        assert decision is not None  # target is terminal, so the evidence is final
+        updated = self.store.transition(
+            record,
+            target,
+            kind="webhook",
+            actor=self.actor,
+            detail=detail,
+            provider_reference=ref,
+            response=decision.response,
+            error_code=decision.error_code,
+            resolution="webhook",
+            needs_attention=False,  # settled by evidence
+            also=inbox.claim(WebhookStatus.APPLIED),
+        )
+        logs.transition(record, updated, "webhook", detail, logger=_log)
+        return inbox.result(WebhookStatus.APPLIED, updated)
+
+
+def _stored_body(event: WebhookEvent, record: OperationRecord | None) -> dict[str, Any] | None:
+    """The event body as the inbox keeps it: what it echoes of the operation's sensitive
+    fields redacted (an unmatched event has no request to redact by). An operation past
+    retention keeps no bodies: its late deliveries are kept by id and type only."""
+    if record is not None and record.reaped_at is not None:
+        return None
+    body = dict(event.body)
+    return Redactor.of(record.request).json(body) if record is not None else body
+
+
+class _Inbox:
+    """The inbox row of one event, inserted inside the transaction that acts on it."""
+
+    def __init__(self, store: Store, tenant_id: str, provider: str, event: WebhookEvent) -> None:
+        self.store = store
+        self.tenant_id = tenant_id
+        self.provider = provider
+        self.event = event
+
+    def claim(self, status: WebhookStatus) -> Callable[[Connection, OperationRecord | None], None]:
+        def insert(conn: Connection, record: OperationRecord | None) -> None:
+            stmt = (
+                self.store._insert(webhook_inbox)
+                .values(
+                    tenant_id=self.tenant_id,
+                    provider=self.provider,
+                    event_id=self.event.event_id,
+                    event_type=self.event.event_type,
+                    operation_id=record.id if record is not None else None,
+                    result=status.value,
+                    body=_stored_body(self.event, record),
+                    received_at=db_now(),
+                )
+                .on_conflict_do_nothing()
+                .returning(webhook_inbox.c.event_id)
+            )
+            if conn.execute(stmt).first() is None:
+                raise _AlreadyHandled
+
+        return insert
+
+    def only(self, status: WebhookStatus, record: OperationRecord | None) -> WebhookResult:
+        insert = self.claim(status)
+        run_in_transaction(self.store.engine, lambda conn: insert(conn, record))
+        return self.result(status, record)
+
+    def result(self, status: WebhookStatus, record: OperationRecord | None) -> WebhookResult:
+        return WebhookResult(
+            status=status,
+            event_id=self.event.event_id,
+            operation_id=record.id if record is not None else None,
+            state=record.state if record is not None else None,
+        )

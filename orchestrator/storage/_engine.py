@@ -1,0 +1,574 @@
+"""Engines, transactions retried by SQLSTATE, and the one place database errors are mapped.
+
+A write that fails before its COMMIT is issued did nothing (``StorageError``). A COMMIT
+that raises without the server saying it rolled back may have committed
+(``CommitUncertain``): the caller must answer "retry the same key", never "nothing happened".
+
+On PostgreSQL the hot writes are single statements run in autocommit
+(:func:`run_statement`): one round trip each, no BEGIN/COMMIT. Such a statement is its own
+COMMIT, so a failure without the server's verdict is uncertain in exactly the same way.
+No pre-ping either: a pooled connection is checked locally at checkout (a closed socket is
+seen without a round trip), and a connection that breaks inside a transaction before its
+COMMIT is retried once on a fresh one. Each connection's first use checks that it reached a
+read-write primary, and a commit whose synchronous-standby wait was cancelled is uncertain
+too (:mod:`payorch.sessions`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import select
+import sqlite3
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import event, exc
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+
+from ..errors import (
+    CommitUncertain,
+    ConfigurationError,
+    DatabaseUnavailable,
+    InvalidRequest,
+    StorageError,
+)
+from ..forks import reset_in_child
+from . import _sessions as sessions
+from ._bridge import pause
+from ._pooling import Pooling, resolve
+from ._pooling import configure as configure_pooling
+from ._pooling import engine_options as pooling_options
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+__all__ = [
+    "create_async_engine",
+    "create_engine",
+    "map_db_error",
+    "normalise_url",
+    "read_in_transaction",
+    "run_in_transaction",
+    "run_sql",
+    "run_sql_rows",
+    "run_statement",
+    "schema_of",
+]
+
+T = TypeVar("T")
+
+# Serialization failure and deadlock: the transaction did nothing and may simply run again.
+RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
+_SQLITE_BUSY = {sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED}
+MAX_TRANSACTION_ATTEMPTS = 8
+_WRITE_OPTION = "payorch_write"
+_IDLE_READS = 4
+
+
+def normalise_url(url: str | URL) -> URL:
+    try:
+        parsed = make_url(url)
+    except exc.ArgumentError as err:
+        raise InvalidRequest(f"not a database URL: {url!s}") from err
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.get_backend_name() not in ("postgresql", "sqlite"):
+        raise InvalidRequest(f"unsupported database {parsed.get_backend_name()!r}")
+    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
+        # Many threads and processes share the store; an in-memory database cannot.
+        raise InvalidRequest("SQLite needs a file path, e.g. sqlite:///payorch.db")
+    return parsed
+
+
+_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+_SCHEMAS: weakref.WeakKeyDictionary[Engine, str] = weakref.WeakKeyDictionary()
+
+
+def _schema(schema: str | None) -> str:
+    # PAYORCH_DB_SCHEMA is read here, not through Settings: an engine must not fail on an
+    # unrelated setting.
+    name = schema if schema is not None else os.environ.get("PAYORCH_DB_SCHEMA") or "public"
+    if not _SCHEMA_NAME.fullmatch(name):
+        raise ConfigurationError(
+            f"PostgreSQL schema {name!r}: use lower-case letters, digits and _ (max 63)"
+        )
+    return name
+
+
+def schema_of(engine: Engine) -> str | None:
+    """The PostgreSQL schema payorch's tables live in (None on SQLite)."""
+    return _SCHEMAS.get(engine)
+
+
+def create_engine(
+    url: str | URL,
+    *,
+    schema: str | None = None,
+    pooler: str | None = None,
+    listen_url: str | URL | None = None,
+    **kwargs: Any,
+) -> Engine:
+    """An engine configured for payorch's concurrency on PostgreSQL or SQLite.
+
+    On PostgreSQL, payorch's tables live in ``schema`` (default ``PAYORCH_DB_SCHEMA``, else
+    ``public``): the connections' ``search_path`` names it, set at connect time so no
+    statement pays for it. ``pooler`` and ``listen_url`` (defaults
+    ``PAYORCH_DATABASE_POOLER``, ``PAYORCH_LISTEN_DATABASE_URL``) say whether ``url`` is a
+    pooler and where waiters listen: :mod:`payorch.pooling`.
+    """
+    parsed, name, pooling = _engine_options(url, schema, pooler, listen_url, kwargs)
+    engine = sa.create_engine(parsed, **kwargs)
+    _configure(engine, name, pooling)
+    return engine
+
+
+def create_async_engine(
+    url: str | URL,
+    *,
+    schema: str | None = None,
+    pooler: str | None = None,
+    listen_url: str | URL | None = None,
+    **kwargs: Any,
+) -> AsyncEngine:
+    """:func:`create_engine`'s twin for the async API: the same pool sizes, pragmas, BEGIN
+    IMMEDIATE and schema, over psycopg's async driver or aiosqlite.
+
+    The configuration attaches to ``engine.sync_engine``, the engine the sync store code
+    runs on under :func:`payorch.bridge.run_bridged`.
+    """
+    from sqlalchemy.ext.asyncio import create_async_engine as _create
+
+    parsed, name, pooling = _engine_options(url, schema, pooler, listen_url, kwargs)
+    if parsed.get_backend_name() == "sqlite":
+        parsed = parsed.set(drivername="sqlite+aiosqlite")
+        # aiosqlite runs each connection on its own thread; sqlite3's check has no say.
+        kwargs["connect_args"] = {
+            k: v for k, v in kwargs["connect_args"].items() if k != "check_same_thread"
+        }
+    engine = _create(parsed, **kwargs)
+    _configure(engine.sync_engine, name, pooling)
+    return engine
+
+
+def _engine_options(
+    url: str | URL,
+    schema: str | None,
+    pooler: str | None,
+    listen_url: str | URL | None,
+    kwargs: dict[str, Any],
+) -> tuple[URL, str | None, Pooling]:
+    """Fill ``kwargs`` with payorch's engine defaults; the URL, the PostgreSQL schema and
+    the pooling."""
+    parsed = normalise_url(url)
+    pooled = "poolclass" not in kwargs  # sizes apply to the default QueuePool only
+    if parsed.get_backend_name() == "sqlite":
+        kwargs.setdefault("connect_args", {"check_same_thread": False, "timeout": 30})
+        if pooled:
+            kwargs.setdefault("pool_size", 8)
+            kwargs.setdefault("max_overflow", 32)
+            kwargs.setdefault("pool_timeout", 120)
+        return parsed, None, Pooling()
+    if pooled:
+        kwargs.setdefault("pool_size", 10)
+        kwargs.setdefault("max_overflow", 20)  # 30 connections: well under a server's 100
+        kwargs.setdefault("pool_timeout", 60)
+    # No pre-ping (a round trip per checkout): _configure_postgres checks the socket instead.
+    kwargs.setdefault("pool_pre_ping", False)
+    name = _schema(schema)
+    pooling = resolve(pooler, listen_url)
+    # A transaction pooler refuses the startup option: there the server sets search_path.
+    if name != "public" and not pooling.per_transaction:
+        connect_args = dict(kwargs.pop("connect_args", {}))
+        connect_args["options"] = f"{connect_args.get('options', '')} -c search_path={name}"
+        kwargs["connect_args"] = connect_args
+    pooling_options(pooling, kwargs)
+    return parsed, name, pooling
+
+
+def _configure(engine: Engine, schema: str | None, pooling: Pooling) -> None:
+    if schema is None:
+        _configure_sqlite(engine)
+    else:
+        _SCHEMAS[engine] = schema
+        _configure_postgres(engine)
+        configure_pooling(engine, pooling, schema)
+    # A forked child starts with an empty pool of its own.
+    reset_in_child(engine, _forget_connections)
+
+
+def _forget_connections(engine: Engine) -> None:
+    """In a forked child: a new pool; the parent's connections are dropped, not closed
+    (closing would end the parent's sessions; the drivers' finalizers leave them alone)."""
+    engine.dispose(close=False)
+
+
+def _configure_postgres(engine: Engine) -> None:
+    raw_path = _runs_on_driver(engine)
+    # The mode SQLAlchemy gives a fresh connection of this engine (its isolation_level).
+    natural = getattr(engine.dialect, "_on_connect_isolation_level", None) == "AUTOCOMMIT"
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
+        # The pool then discards it and checks out (or opens) another.
+        if not _pg_alive(dbapi_conn):
+            raise exc.DisconnectionError("pooled PostgreSQL connection found closed")
+        # run_sql leaves its connections in autocommit, the mode its statements need, so
+        # the hot path switches no mode per statement; every other user gets the mode
+        # SQLAlchemy expects back (the driver's transactions, unless the engine's own
+        # isolation_level is AUTOCOMMIT).
+        if raw_path and dbapi_conn.autocommit != natural and not getattr(_RAW, "checkout", False):
+            try:
+                dbapi_conn.autocommit = natural
+            except Exception as err:  # psycopg.Error: closed or broken meanwhile
+                raise exc.DisconnectionError(f"pooled PostgreSQL connection broke: {err}") from err
+
+
+def _pg_alive(dbapi_conn: Any) -> bool:
+    """Whether an idle pooled psycopg connection is still open, without a round trip.
+
+    An idle connection has nothing to read. If its socket is readable, the server has
+    spoken or hung up (a terminated backend sends its FATAL, then closes): read it, and a
+    closed connection shows. Sending a statement there first would make its failure look
+    like one after sending, i.e. uncertain.
+    """
+    conn = getattr(dbapi_conn, "_connection", dbapi_conn)  # the async adapter wraps it
+    pgconn = getattr(conn, "pgconn", None)
+    if pgconn is None:  # pragma: no cover - not psycopg: nothing to look at
+        return True
+    if conn.closed or getattr(conn, "broken", False):
+        return False
+    try:
+        poller = select.poll()
+        poller.register(pgconn.socket, select.POLLIN)
+        # A FATAL message first, then the end of the stream: read until nothing is left.
+        for _ in range(_IDLE_READS):
+            if not poller.poll(0):
+                break
+            pgconn.consume_input()
+        else:
+            return False  # an idle connection that keeps talking is not one to trust
+    except Exception:  # noqa: BLE001 - psycopg.OperationalError or OSError: it is dead
+        return False
+    return bool(pgconn.status == 0)  # CONNECTION_OK
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Let SQLAlchemy's "begin" event issue BEGIN IMMEDIATE: a deferred transaction that
+        # later upgrades to a write lock can fail with SQLITE_BUSY without waiting.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        # FULL: a commit is synced to disk before it returns. With WAL and NORMAL a committed
+        # claim can vanish on power loss, and the client's retry would then claim a second
+        # operation with a new downstream key.
+        cur.execute("PRAGMA synchronous=FULL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.close()
+        # Bytes that are not UTF-8 in a TEXT column (written by something other than payorch)
+        # would make sqlite3 fail the whole result, and so every reconciler pass: decode them
+        # with U+FFFD instead, so the row reads, fails validation and is quarantined alone.
+        # Under aiosqlite (the async API) the sqlite3 connection sits behind two adapters.
+        target = getattr(dbapi_conn, "_connection", dbapi_conn)
+        target.text_factory = _decode_text
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        # Writers take the lock up front; readers use WAL snapshots and never block a writer.
+        write = conn.get_execution_options().get(_WRITE_OPTION, False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+def _decode_text(raw: bytes) -> str:
+    return raw.decode("utf-8", "replace")
+
+
+def _is_retryable(err: exc.DBAPIError) -> bool:
+    orig = err.orig
+    sqlstate = getattr(orig, "sqlstate", None)
+    if sqlstate in RETRYABLE_SQLSTATES:
+        return True
+    return isinstance(orig, sqlite3.OperationalError) and (
+        getattr(orig, "sqlite_errorcode", None) in _SQLITE_BUSY
+    )
+
+
+def _missing_schema(err: exc.SQLAlchemyError) -> bool:
+    orig = getattr(err, "orig", None)
+    if getattr(orig, "sqlstate", None) == "42P01":  # undefined_table
+        return True
+    return isinstance(orig, sqlite3.OperationalError) and "no such table" in str(orig)
+
+
+def map_db_error(err: exc.SQLAlchemyError) -> StorageError:
+    if _missing_schema(err):
+        return StorageError("the database has no payorch schema: run `payorch db upgrade`")
+    orig = getattr(err, "orig", None)
+    if getattr(orig, "sqlstate", None) == "25006":  # read_only_sql_transaction
+        return sessions.read_only_error(orig or err)
+    if isinstance(err, exc.DBAPIError) and err.connection_invalidated:
+        return DatabaseUnavailable(f"database connection lost: {err.orig}")
+    if isinstance(err, exc.OperationalError):
+        return DatabaseUnavailable(f"database unavailable: {err.orig}")
+    if isinstance(err, exc.TimeoutError):
+        return DatabaseUnavailable(f"no database connection available: {err}")
+    return StorageError(f"database error: {getattr(err, 'orig', err)}")
+
+
+def _commit_refused(err: exc.SQLAlchemyError) -> bool:
+    """Whether a failed COMMIT certainly did not commit.
+
+    PostgreSQL answers a COMMIT it cannot honour (a deferred constraint, a serialization
+    failure) with an error carrying a SQLSTATE, and the transaction is rolled back. SQLite's
+    SQLITE_BUSY on COMMIT leaves the transaction open, and it is rolled back on close. Any
+    other failure (no answer, a cut connection, an I/O error) may follow a durable commit.
+    """
+    orig = getattr(err, "orig", None)
+    if isinstance(err, exc.DBAPIError) and err.connection_invalidated:
+        return False
+    if getattr(orig, "sqlstate", None):
+        return True
+    return isinstance(orig, sqlite3.OperationalError) and (
+        getattr(orig, "sqlite_errorcode", None) in _SQLITE_BUSY
+    )
+
+
+def _broken(err: exc.SQLAlchemyError) -> bool:
+    return isinstance(err, exc.DBAPIError) and err.connection_invalidated
+
+
+def _uncertain(err: exc.SQLAlchemyError) -> CommitUncertain:
+    cause = getattr(err, "orig", None) or err
+    return CommitUncertain(f"the database did not confirm a commit (it may have happened): {cause}")
+
+
+def _judge(
+    err: exc.SQLAlchemyError, *, may_have_committed: bool, again_if_broken: bool, attempt: int
+) -> None:
+    """What a failed transaction or statement means, for every way payorch runs one: raises
+    ``CommitUncertain`` if it may have committed without the server's verdict, returns (run
+    it again) for a broken connection when allowed or a retryable SQLSTATE (after jitter),
+    and raises the mapped ``StorageError`` otherwise."""
+    if may_have_committed and not _commit_refused(err):
+        raise _uncertain(err) from err
+    if again_if_broken and _broken(err):
+        return
+    if (
+        isinstance(err, exc.DBAPIError)
+        and _is_retryable(err)
+        and attempt + 1 < MAX_TRANSACTION_ATTEMPTS
+    ):
+        # On an event loop (the async API) this awaits instead of blocking the loop.
+        pause(random.uniform(0, 0.01 * 2**attempt))  # noqa: S311 - jitter only
+        return
+    raise map_db_error(err) from err
+
+
+def run_in_transaction(engine: Engine, fn: Callable[[Connection], T], *, write: bool = True) -> T:
+    """Run ``fn`` in one transaction, again from the start on serialization failure/deadlock.
+
+    ``write=False`` marks a read: on SQLite it starts a deferred transaction (a WAL
+    snapshot) instead of taking the single write lock.
+
+    Raises ``StorageError`` (nothing committed) for a failure before the COMMIT, and
+    ``CommitUncertain`` for a write whose COMMIT raised without a verdict from the server.
+    A connection that breaks before the COMMIT is sent committed nothing: the transaction
+    runs once more on a fresh connection.
+    """
+    fresh_retry = True
+    for attempt in range(MAX_TRANSACTION_ATTEMPTS):
+        committing = False
+        try:
+            with engine.connect() as conn:
+                conn.execution_options(**{_WRITE_OPTION: write})
+                with conn.begin() as txn:
+                    watch = sessions.session(conn)
+                    result = fn(conn)
+                    committing = True
+                    txn.commit()
+                if write:
+                    sessions.after_commit(watch)
+                return result
+        except exc.SQLAlchemyError as err:
+            _judge(
+                err,
+                may_have_committed=committing and write,
+                again_if_broken=fresh_retry,
+                attempt=attempt,
+            )
+            # The pool has dropped a broken one; once only, so a dead server fails.
+            fresh_retry = fresh_retry and not _broken(err)
+    raise StorageError("transaction retries exhausted")  # pragma: no cover - loop returns/raises
+
+
+def run_statement(engine: Engine, fn: Callable[[Connection], T], *, write: bool = True) -> T:
+    """Run ``fn``, a single statement, as its own transaction: autocommit, one round trip.
+
+    For PostgreSQL (SQLite keeps :func:`run_in_transaction` and its BEGIN IMMEDIATE). The
+    statement is its own COMMIT: a failure the server answered with an error (a SQLSTATE,
+    connection intact) committed nothing and is retried like a transaction when retryable;
+    a write that failed without that verdict (connection lost after it may have been sent)
+    raises ``CommitUncertain``. A connection found dead before anything was sent (checked
+    at checkout) is replaced by the pool and nothing is uncertain.
+    """
+    for attempt in range(MAX_TRANSACTION_ATTEMPTS):
+        sent = False
+        try:
+            with engine.connect() as conn:
+                conn.execution_options(isolation_level="AUTOCOMMIT")
+                watch = sessions.session(conn)
+                sent = True
+                result = fn(conn)
+            if write:
+                sessions.after_commit(watch)
+            return result
+        except exc.SQLAlchemyError as err:
+            # Broken before our statement, or a broken read: nothing to be uncertain
+            # about, once more on a fresh connection.
+            _judge(
+                err,
+                may_have_committed=sent and write,
+                again_if_broken=(not sent or not write) and attempt == 0,
+                attempt=attempt,
+            )
+    raise StorageError("statement retries exhausted")  # pragma: no cover - loop returns/raises
+
+
+def run_sql(
+    engine: Engine, sql: str, params: Mapping[str, Any], *, write: bool = True
+) -> tuple[Any, ...] | None:
+    """``sql`` (psycopg's ``%(name)s`` style) as :func:`run_statement` runs it: autocommit,
+    one round trip, the same verdicts; its first row as the driver hands it, or None.
+
+    On a synchronous psycopg engine it runs on the pooled driver connection itself: the hot
+    statements need neither SQLAlchemy's ``Connection`` nor its result metadata, which
+    cost more client CPU than the rest of an operation (statement listeners do not see
+    these statements; the round trips are the same). Elsewhere (the async bridge) it runs
+    through ``exec_driver_sql``.
+    """
+    rows = _run_sql(engine, sql, params, write=write, every=False)
+    return rows[0] if rows else None
+
+
+def run_sql_rows(
+    engine: Engine, sql: str, params: Mapping[str, Any], *, write: bool = True
+) -> list[tuple[Any, ...]]:
+    """:func:`run_sql`, every row."""
+    return _run_sql(engine, sql, params, write=write, every=True)
+
+
+def _run_sql(
+    engine: Engine, sql: str, params: Mapping[str, Any], *, write: bool, every: bool
+) -> list[tuple[Any, ...]]:
+    if not _runs_on_driver(engine):
+        return _run_sql_via_sqlalchemy(engine, sql, params, write=write, every=every)
+    error: type[Exception] = engine.dialect.loaded_dbapi.Error
+    # On payorch's engines the connection goes back still in autocommit: the next statement
+    # run here needs no switch, and the checkout listener switches it back for anyone else.
+    # An engine the caller built has no such listener: there it goes back at once to the
+    # mode it had (an AUTOCOMMIT engine's stays in autocommit).
+    ours = engine in _SCHEMAS
+    for attempt in range(MAX_TRANSACTION_ATTEMPTS):
+        fairy = _checkout(engine, error)
+        driver: Any = fairy.driver_connection
+        was = driver.autocommit  # a caller's engine gets its connection back in this mode
+        try:
+            watch = None
+            if was or _set_autocommit(fairy, driver, True):
+                watch = sessions.watch_of(fairy.info) or sessions.first_use(fairy, driver, error)
+            if watch is None:
+                # Unusable before anything was sent: nothing to be uncertain about.
+                if attempt == 0:
+                    continue  # once, on a fresh connection
+                raise DatabaseUnavailable("database connection lost before the statement")
+            watch.seen = None
+            try:
+                cursor = driver.execute(sql, params)
+                rows = cursor.fetchall() if every else [cursor.fetchone()]
+            except error as orig:
+                broken = bool(driver.closed or driver.broken)
+                if broken:
+                    fairy.invalidate(orig)
+                _judge(
+                    _wrapped(sql, params, orig, error, broken=broken),
+                    may_have_committed=write,
+                    again_if_broken=not write and attempt == 0,
+                    attempt=attempt,
+                )
+                continue
+            if write and watch.seen is not None:
+                raise sessions.wait_cancelled(watch.seen)
+            return [row for row in rows if row is not None]
+        finally:
+            if not ours and fairy.is_valid and driver.autocommit != was:
+                _set_autocommit(fairy, driver, was)
+            fairy.close()  # back to the pool (or, invalidated, discarded)
+    raise StorageError("statement retries exhausted")  # pragma: no cover - loop returns/raises
+
+
+def _runs_on_driver(engine: Engine) -> bool:
+    """Whether :func:`run_sql` runs on the pooled driver connection itself (synchronous
+    psycopg); elsewhere it goes through SQLAlchemy and never leaves autocommit on."""
+    return not engine.dialect.is_async and engine.dialect.driver == "psycopg"
+
+
+# Set while run_sql checks a connection out: the checkout listener then leaves autocommit on.
+_RAW = threading.local()
+
+
+def _checkout(engine: Engine, error: type[Exception]) -> Any:
+    """A pooled connection (the checkout listener drops a dead one), or the mapped error."""
+    _RAW.checkout = True
+    try:
+        return engine.raw_connection()
+    except error as orig:  # no connection could be opened
+        failed = exc.DBAPIError.instance(None, None, orig, error, connection_invalidated=True)
+        raise map_db_error(failed) from orig
+    except exc.SQLAlchemyError as timeout:  # the pool's time-out
+        raise map_db_error(timeout) from timeout
+    finally:
+        _RAW.checkout = False
+
+
+def _run_sql_via_sqlalchemy(
+    engine: Engine, sql: str, params: Mapping[str, Any], *, write: bool, every: bool
+) -> list[tuple[Any, ...]]:
+    """:func:`run_sql` where the driver connection is not at hand (the async bridge)."""
+
+    def run(conn: Connection) -> list[tuple[Any, ...]]:
+        result = conn.exec_driver_sql(sql, params)
+        found = result.all() if every else [result.first()]
+        return [tuple(row) for row in found if row is not None]
+
+    return run_statement(engine, run, write=write)
+
+
+def _set_autocommit(fairy: Any, driver: Any, value: bool) -> bool:
+    """Set the pooled connection's autocommit mode; False (and the connection invalidated,
+    so the pool discards it) if the connection can no longer take it."""
+    try:
+        driver.autocommit = value
+    except Exception as exc:  # noqa: BLE001 - psycopg.Error: closed or broken meanwhile
+        fairy.invalidate(exc)
+        return False
+    return True
+
+
+def _wrapped(
+    sql: str, params: Mapping[str, Any], orig: Exception, error: type[Exception], *, broken: bool
+) -> exc.DBAPIError:
+    """A driver error as SQLAlchemy would have raised it, for the one mapping above."""
+    wrapped = exc.DBAPIError.instance(sql, dict(params), orig, error, connection_invalidated=broken)
+    assert isinstance(wrapped, exc.DBAPIError)
+    return wrapped
+
+
+def read_in_transaction(engine: Engine, fn: Callable[[Connection], T]) -> T:
+    """A consistent read, errors mapped like writes, never holding SQLite's write lock."""
+    return run_in_transaction(engine, fn, write=False)

@@ -1,0 +1,169 @@
+"""PostgreSQL's hot writes, one statement and one round trip each (see ``statements.py``).
+
+The store decides what to write and what an answer means; this module fills the parameters
+of the SQL-text statements, runs each in autocommit (:func:`~payorch.db.run_sql`) and
+turns the row into a record. Timestamps come from the database; ids from the caller.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy.engine import Engine
+
+from ..errors import CorruptRecord, StaleVersion, StorageError
+from ..records import OPERATION_COLUMNS, NewOperation, OperationRecord
+from ._engine import run_sql, run_sql_rows
+from ._replication import gate
+from ._statements import PG_CLAIM, PG_CLAIM_DUE, PG_CLAIM_DUE_TENANTS, PG_REREAD, pg_transition_sql
+
+__all__ = ["claim", "claim_due", "json_param", "reread", "reread_for", "transition"]
+
+_NOW = len(OPERATION_COLUMNS) + 1  # after the kind and the columns: the database time
+
+
+def json_param(value: Any) -> str:
+    """A JSON parameter as SQLAlchemy's JSON type writes it (``None`` as JSON null)."""
+    return json.dumps(dict(value) if isinstance(value, Mapping) else value)
+
+
+def claim(
+    engine: Engine,
+    new: NewOperation,
+    *,
+    op_id: str,
+    event_id: str,
+    owner: str,
+    lease_s: float,
+    possibly_sent: bool,
+) -> tuple[int, OperationRecord, datetime] | None:
+    """``PG_CLAIM``: (its kind, the record, the database time), or None if it saw no row.
+
+    Raises ``CommitUncertain`` if the statement (the claim's commit) went unanswered, and
+    ``SyncStandbyUnavailable`` (nothing sent) if the store requires a synchronous standby
+    and none streams.
+    """
+    params = {
+        "tenant_id": new.tenant_id,
+        "id": op_id,
+        "operation": new.operation,
+        "idempotency_key": new.idempotency_key,
+        "fingerprint": new.fingerprint,
+        "provider": new.provider,
+        "downstream_key": new.downstream_key,
+        "amount": new.amount,
+        "currency": new.currency,
+        "request": json_param(new.request),
+        "retention_seconds": int(new.retention.total_seconds()),
+        "possibly_sent": possibly_sent,
+        "attempts": 1 if possibly_sent else 0,
+        "owner": owner,
+        "lease_s": lease_s,
+        "event_id": event_id,
+        "detail": json_param(
+            {"idempotency_key": new.idempotency_key, "fingerprint": new.fingerprint}
+        ),
+    }
+    gate(engine)  # with PAYORCH_REQUIRE_SYNC_STANDBY: no claim without a synchronous standby
+    row = run_sql(engine, PG_CLAIM, params)
+    if row is None:
+        return None
+    return row[0], OperationRecord.from_pg(row[1:]), row[_NOW].astimezone(UTC)
+
+
+def reread(engine: Engine, record: OperationRecord, replays: int = 1) -> OperationRecord:
+    """``PG_REREAD``: the operation now, ``replays`` counted if it is terminal."""
+    params = _reread_params(record, replays)
+    # A lost answer only leaves a replay count in doubt: nothing to tell the client.
+    return _reread_record(run_sql(engine, PG_REREAD, params, write=False), record)
+
+
+def reread_for(driver_connection: Any, record: OperationRecord, waiters: int) -> OperationRecord:
+    """``PG_REREAD`` on a psycopg connection in autocommit (the waiters' listener), for
+    ``waiters`` requests at once: that many replays are counted if it is terminal."""
+    row = driver_connection.execute(PG_REREAD, _reread_params(record, waiters)).fetchone()
+    return _reread_record(row, record)
+
+
+def _reread_record(row: tuple[Any, ...] | None, record: OperationRecord) -> OperationRecord:
+    if row is None:  # pragma: no cover - the operation is never deleted, only reaped
+        raise StorageError(f"operation {record.id} vanished")
+    return OperationRecord.from_pg(row[1:])
+
+
+def _reread_params(record: OperationRecord, replays: int) -> dict[str, Any]:
+    return {
+        "tenant_id": record.tenant_id,
+        "id": record.id,
+        "fingerprint": record.fingerprint,
+        "replays": replays,
+    }
+
+
+def transition(
+    engine: Engine,
+    cache: dict[tuple[Any, ...], str],
+    record: OperationRecord,
+    *,
+    shape: tuple[Any, ...],
+    params: Mapping[str, Any],
+    event: Mapping[str, Any],
+) -> OperationRecord:
+    """``pg_transition_sql(shape)`` (built once per shape, kept in ``cache``): the fenced
+    UPDATE with the store's ``params``, its event (``event``: id, kind, actor, detail) and
+    the NOTIFY; StaleVersion if the version moved."""
+    sql = cache.get(shape)
+    if sql is None:
+        sql = cache[shape] = pg_transition_sql(shape)
+    params = {
+        **params,
+        "e_id": event["id"],
+        "e_kind": event["kind"],
+        "e_actor": event["actor"],
+        "e_from_state": record.state.value,
+        "e_detail": json_param(event["detail"]),
+    }
+    for name in ("u_response", "u_request"):  # SQL text: JSON as text, as SQLAlchemy's would
+        if name in params:
+            params[name] = json_param(params[name])
+    row = run_sql(engine, sql, params)
+    if row is None:
+        raise StaleVersion(
+            f"operation {record.id} changed since version {record.version}",
+            operation_id=record.id,
+        )
+    return OperationRecord.from_pg(row)
+
+
+Unreadable = tuple[CorruptRecord, tuple[str, str, int]]  # the error; tenant, id, version
+_WHERE = tuple(OPERATION_COLUMNS.index(name) + 1 for name in ("tenant_id", "id", "version"))
+
+
+def claim_due(
+    engine: Engine,
+    *,
+    owner: str,
+    lease_s: float,
+    limit: int,
+    tenant_ids: Collection[str] | None,
+) -> tuple[list[tuple[OperationRecord, datetime]], list[Unreadable]]:
+    """``PG_CLAIM_DUE``: up to ``limit`` due operations leased to ``owner`` in one statement;
+    with the database time, oldest next check first. Rows that cannot be read come back
+    apart, with the (tenant, id, version) the lease left them at, to be quarantined."""
+    params: dict[str, Any] = {"owner": owner, "lease_s": lease_s, "limit": limit}
+    sql = PG_CLAIM_DUE
+    if tenant_ids is not None:
+        sql, params["tenant_ids"] = PG_CLAIM_DUE_TENANTS, sorted(tenant_ids)
+    rows = sorted(run_sql_rows(engine, sql, params), key=lambda row: row[0])
+    leased: list[tuple[OperationRecord, datetime]] = []
+    corrupt: list[Unreadable] = []
+    for row in rows:
+        try:
+            leased.append((OperationRecord.from_pg(row[1:-1]), row[-1].astimezone(UTC)))
+        except CorruptRecord as exc:
+            tenant_id, op_id, version = (row[i] for i in _WHERE)
+            corrupt.append((exc, (tenant_id, op_id, version)))
+    return leased, corrupt

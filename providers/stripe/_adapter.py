@@ -1,0 +1,281 @@
+"""The Stripe adapter: payorch operations as Stripe PaymentIntents and Refunds over httpx.
+
+=================  ==================================================================
+operation          Stripe call
+=================  ==================================================================
+payment.create     ``POST /v1/payment_intents`` (``confirm=true``)
+payment.capture    ``POST /v1/payment_intents/{payload["payment_intent"]}/capture``
+refund.create      ``POST /v1/refunds``
+=================  ==================================================================
+
+Every POST carries ``Idempotency-Key: <downstream key>``, identical on every attempt, and
+``metadata[payorch_*]`` so that the effect can be found again without its id.
+
+One ``submit`` or ``query_status`` runs under one total deadline (``max_call_duration``),
+shared by every HTTP request it makes (a search and its reads, pages of refunds). What
+each call does is a flow (:mod:`.flows`) that a sync and an async driver run alike.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Mapping
+from datetime import datetime, timedelta
+from types import TracebackType
+from typing import Self
+
+import httpx
+
+from ...clients import HttpClients
+from ...errors import ConfigurationError
+from ...observing import _tracing as tracing
+from ...provider import (
+    Answer,
+    ProviderEffect,
+    StatusQuery,
+    SubmitRequest,
+    WebhookEvent,
+    answer_from_transport_error,
+    asend_with_deadline,
+    call_budget,
+    send_with_deadline,
+)
+from ._classify import Reply
+from ._flows import Call, Flow, query_flow, submit_flow
+from ._listing import list_effects
+from ._webhooks import parse_stripe_webhook
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "DEFAULT_WEBHOOK_TOLERANCE",
+    "IDEMPOTENCY_WINDOW",
+    "StripeProvider",
+]
+
+DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=30.0, write=10.0, pool=5.0)
+DEFAULT_WEBHOOK_TOLERANCE = timedelta(minutes=5)  # the tolerance Stripe's own libraries use
+# Stripe prunes idempotency keys once they are at least 24 hours old.
+IDEMPOTENCY_WINDOW = timedelta(hours=24)
+
+
+class StripeProvider:
+    """A :class:`payorch.provider.Provider` for Stripe's v1 API.
+
+    ``payment.create`` creates and confirms a PaymentIntent. With ``capture_method="manual"``
+    its effect is the authorisation, so ``requires_capture`` is that operation's SUCCEEDED
+    and capturing is a separate ``payment.capture`` operation. Status queries never turn a
+    refusal of the *query* into DECLINED: only an object's status decides an outcome.
+
+    ``base_url`` and ``idempotency_window`` reach any Stripe-compatible endpoint: a window of
+    None says the endpoint ignores Idempotency-Key (the reconciler then never re-submits).
+    Pass ``transport`` (e.g. ``httpx.MockTransport``) or a whole ``client``; an injected client
+    is not closed by :meth:`close`, and every request still uses this adapter's ``timeout``.
+    It is also an :class:`payorch.provider.AsyncProvider` (``asubmit``, ``aquery_status``;
+    ``async_client`` / ``async_transport``): one flow per call, driven sync or async.
+    """
+
+    def __init__(
+        self,
+        *,
+        api_key: str,
+        webhook_secret: str | None = None,
+        base_url: str = "https://api.stripe.com",
+        timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+        deadline: timedelta | None = None,
+        webhook_tolerance: timedelta = DEFAULT_WEBHOOK_TOLERANCE,
+        client: httpx.Client | None = None,
+        transport: httpx.BaseTransport | None = None,
+        stripe_version: str | None = None,
+        async_client: httpx.AsyncClient | None = None,
+        async_transport: httpx.AsyncBaseTransport | None = None,
+        idempotency_window: timedelta | None = IDEMPOTENCY_WINDOW,
+    ) -> None:
+        if not api_key or not api_key.strip():
+            raise ConfigurationError("Stripe api_key is empty")
+        if webhook_secret is not None and not webhook_secret.strip():
+            raise ConfigurationError(
+                "Stripe webhook_secret is empty; pass None to disable webhooks"
+            )
+        if webhook_tolerance <= timedelta(0):
+            # The stripe library reads a zero tolerance as "accept any age".
+            raise ConfigurationError("webhook_tolerance must be positive")
+        if client is not None and transport is not None:
+            raise ConfigurationError("pass either client or transport, not both")
+        if async_client is not None and async_transport is not None:
+            raise ConfigurationError("pass either async_client or async_transport, not both")
+        if idempotency_window is not None and idempotency_window <= timedelta(0):
+            raise ConfigurationError(
+                "idempotency_window must be positive; pass None for an endpoint that "
+                "ignores Idempotency-Key"
+            )
+        try:
+            # The bound of one submit or status query; by default every time-out phase.
+            self._max_call_duration = deadline if deadline is not None else call_budget(timeout)
+            url = httpx.URL(base_url)
+        except (ValueError, httpx.InvalidURL) as exc:
+            raise ConfigurationError(f"invalid Stripe adapter setting: {exc}") from exc
+        seconds = self._max_call_duration.total_seconds()
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ConfigurationError(f"the call deadline must be positive, not {deadline!r}")
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ConfigurationError(f"Stripe base_url {base_url!r} is not an http(s) URL")
+        self._base_url = str(url).rstrip("/")
+        self._idempotency_window = idempotency_window
+        self._timeout = timeout
+        self._webhook_secret = webhook_secret
+        self._webhook_tolerance = webhook_tolerance
+        self._headers = {"Authorization": f"Bearer {api_key}", "Accept": "application/json"}
+        if stripe_version:
+            self._headers["Stripe-Version"] = stripe_version
+        self._clients = HttpClients(
+            timeout=timeout,
+            client=client,
+            transport=transport,
+            async_client=async_client,
+            async_transport=async_transport,
+        )
+
+    # -- the Provider protocol -------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return "stripe"
+
+    @property
+    def idempotency_window(self) -> timedelta | None:
+        return self._idempotency_window
+
+    @property
+    def max_call_duration(self) -> timedelta:
+        return self._max_call_duration
+
+    def submit(self, request: SubmitRequest) -> Answer:
+        """Send ``request`` once with its downstream key and classify Stripe's answer.
+
+        Raises ConfigurationError for an operation this adapter does not support and
+        ProviderIdempotencyError when Stripe says the key was used with other parameters;
+        everything else, transport failures included, comes back as an :class:`Answer`.
+        """
+        return self._run(submit_flow(request))
+
+    def query_status(self, query: StatusQuery) -> Answer:
+        """Ask Stripe where ``query``'s operation stands.
+
+        By provider reference when there is one; otherwise payment.create searches by
+        ``metadata['payorch_ref']``, the namespace's ref (Search is eventually consistent:
+        nothing found is NOT_FOUND), payment.capture reads ``payload["payment_intent"]`` and
+        refund.create lists that intent's refunds. Where Search is unavailable (a
+        Stripe-compatible endpoint without it: 404, or a 400 saying so), payment.create lists
+        the PaymentIntents created around the operation instead. Transport errors, 429 and
+        5xx come back as they are.
+        """
+        return self._run(query_flow(query, window=self._idempotency_window))
+
+    def list_effects(self, since: datetime, until: datetime) -> Iterator[ProviderEffect]:
+        """PaymentIntents and Refunds created in ``[since, until]`` that carry payorch's
+        metadata (:mod:`.listing`): an :class:`payorch.provider.EffectLister`. Each page is
+        one call under its own deadline; failures raise ``ProviderListingFailed``."""
+        return list_effects(lambda call: self._call(call, self._deadline()), since, until)
+
+    async def asubmit(self, request: SubmitRequest) -> Answer:
+        """:meth:`submit` over ``httpx.AsyncClient`` (the same flow, driven async)."""
+        return await self._arun(submit_flow(request))
+
+    async def aquery_status(self, query: StatusQuery) -> Answer:
+        """:meth:`query_status` over ``httpx.AsyncClient`` (the same flow, driven async)."""
+        return await self._arun(query_flow(query, window=self._idempotency_window))
+
+    def parse_webhook(self, headers: Mapping[str, str], body: bytes) -> WebhookEvent:
+        if self._webhook_secret is None:
+            raise ConfigurationError("the Stripe adapter has no webhook_secret configured")
+        return parse_stripe_webhook(
+            headers, body, secret=self._webhook_secret, tolerance=self._webhook_tolerance
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._clients.close()
+
+    async def aclose(self) -> None:
+        """Close both clients this adapter opened (the async one on its own loop)."""
+        await self._clients.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- HTTP: two drivers of one flow -----------------------------------------------------
+
+    def _run(self, flow: Flow) -> Answer:
+        """Make each call ``flow`` asks for with httpx.Client, under one total deadline."""
+        deadline = self._deadline()
+        try:
+            call = next(flow)
+            while True:
+                call = flow.send(self._call(call, deadline))
+        except StopIteration as done:
+            answer: Answer = done.value
+            return answer
+
+    async def _arun(self, flow: Flow) -> Answer:
+        """:meth:`_run` with httpx.AsyncClient."""
+        deadline = self._deadline()
+        try:
+            call = next(flow)
+            while True:
+                call = flow.send(await self._acall(call, deadline))
+        except StopIteration as done:
+            answer: Answer = done.value
+            return answer
+
+    def _deadline(self) -> float:
+        """The monotonic instant by which the current submit or status query must end."""
+        return time.monotonic() + self._max_call_duration.total_seconds()
+
+    def _request(self, client: httpx.Client | httpx.AsyncClient, call: Call) -> httpx.Request:
+        headers = dict(self._headers)
+        if call.idempotency_key is not None:
+            headers["Idempotency-Key"] = call.idempotency_key
+        tracing.inject(headers)  # the current span's traceparent, when tracing is on
+        return client.build_request(
+            call.method,
+            self._base_url + call.path,
+            params=call.params,
+            data=call.form,
+            headers=headers,
+            timeout=self._timeout,
+        )
+
+    def _call(self, call: Call, deadline: float) -> Reply | Answer:
+        """One HTTP call; httpx errors become answers here and nowhere else."""
+        try:
+            client = self._clients.sync
+            request = self._request(client, call)
+            response = send_with_deadline(client, request, deadline=deadline)
+        except httpx.HTTPError as exc:
+            return answer_from_transport_error(exc)
+        return Reply.from_response(response)
+
+    async def _acall(self, call: Call, deadline: float) -> Reply | Answer:
+        client = self._clients.asynchronous()
+        try:
+            request = self._request(client, call)
+            response = await asend_with_deadline(client, request, deadline=deadline)
+        except httpx.HTTPError as exc:
+            return answer_from_transport_error(exc)
+        return Reply.from_response(response)

@@ -1,0 +1,13 @@
+"""OpenTelemetry tracing (extra ``payorch[tracing]``: the API only; the SDK and its exporter
+are the application's choice).
+
+The public face of :mod:`payorch.observing._tracing`: payorch records into the global tracer
+provider unless :func:`use_tracer_provider` names another; :func:`enabled` says whether
+spans are recorded at all.
+"""
+
+from __future__ import annotations
+
+from .observing._tracing import enabled, use_tracer_provider
+
+__all__ = ["enabled", "use_tracer_provider"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bench_drain
 import bench_storm
-from report import Options, Report
+from figures import Options, Report
 from rich.console import Console
 
 __all__ = ["print_fsync_off", "print_goals"]

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 import bench_execute as bx
-from report import Options, Report, _lat, _ops, _range, _table
+from figures import Options, Report, lat, ops, ratio_range, table
 from rich.console import Console
 
 from payorch.core import State
@@ -78,7 +78,7 @@ def print_metrics(console: Console, report: Report) -> None:
     by_threads = report.sections.get(SECTION)
     if not by_threads:
         return
-    t = _table(
+    t = table(
         "PostgreSQL: execute() with Prometheus metrics on and off (instant provider; ops/s, "
         "p50 / p99 ms)",
         (
@@ -102,12 +102,12 @@ def print_metrics(console: Console, report: Report) -> None:
             cost = f"{(1 / on.ops_per_s - 1 / off.ops_per_s) * 1e6 * n:+.1f}"
         t.add_row(
             str(n),
-            _ops(on),
-            _lat(on),
-            _ops(off),
-            _lat(off),
+            ops(on),
+            lat(on),
+            ops(off),
+            lat(off),
             ratio,
-            _range(report, SECTION, n, "metrics_on", "metrics_off"),
+            ratio_range(report, SECTION, n, "metrics_on", "metrics_off"),
             cost,
         )
     console.print(t)

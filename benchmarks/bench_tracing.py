@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import bench_execute as bx
-from report import Options, Report, _lat, _ops, _range, _table
+from figures import Options, Report, lat, ops, ratio_range, table
 from rich.console import Console
 
 from payorch.core import State
@@ -137,7 +137,7 @@ def print_tracing(console: Console, report: Report) -> None:
     by_threads = report.sections.get(SECTION)
     if not by_threads:
         return
-    t = _table(
+    t = table(
         "PostgreSQL: execute() with OpenTelemetry tracing on (SDK, batch processor, discarding "
         "exporter) and off (no SDK) (instant provider; ops/s, p50 / p99 ms)",
         (
@@ -161,12 +161,12 @@ def print_tracing(console: Console, report: Report) -> None:
             cost = f"{(1 / on.ops_per_s - 1 / off.ops_per_s) * 1e6 * n:+.1f}"
         t.add_row(
             str(n),
-            _ops(on),
-            _lat(on),
-            _ops(off),
-            _lat(off),
+            ops(on),
+            lat(on),
+            ops(off),
+            lat(off),
             ratio,
-            _range(report, SECTION, n, "tracing_on", "tracing_off"),
+            ratio_range(report, SECTION, n, "tracing_on", "tracing_off"),
             cost,
         )
     console.print(t)

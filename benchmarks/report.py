@@ -1,124 +1,15 @@
-"""The benchmark run's figures and how they are printed (the report half of run.py)."""
+"""How the benchmark run's figures are printed (the report half of run.py): the sections of
+its own, then each other module's (bench_metrics, bench_tracing) in turn."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
-
-import bench_execute as bx
 import bench_scan
+from bench_metrics import print_metrics
+from bench_tracing import print_tracing
+from figures import Options, Report, extra_ms, lat, ops, ratio, ratio_range, table
 from rich.console import Console
-from rich.table import Table
 
-__all__ = ["Options", "Report", "print_report"]
-
-
-@dataclass(kw_only=True)
-class Options:
-    ops: int  # PostgreSQL, single-threaded
-    threaded_ops: int  # PostgreSQL, per multi-threaded configuration
-    sqlite_ops: int
-    replay_ops: int
-    http_ops: int
-    threads: tuple[int, ...]
-    rounds: int
-    warmup: int
-    sizes: tuple[int, ...]
-    due: int
-    pick_reps: int
-    claim_reps: int
-    sqlite: bool
-    sandbox: bool
-    json_path: Path | None
-
-    def pg_ops(self, threads: int) -> int:
-        return self.ops if threads == 1 else self.threaded_ops
-
-
-@dataclass
-class Report:
-    environment: dict[str, str] = field(default_factory=dict)
-    # section ("postgres", "sandbox", "sqlite") -> threads -> the interleaved comparison
-    sections: dict[str, dict[int, bx.Comparison]] = field(default_factory=dict)
-    scan: list[bench_scan.ScanResult] = field(default_factory=list)
-    elapsed_s: float = 0.0
-
-    def add(self, section: str, threads: int, comparison: bx.Comparison) -> None:
-        self.sections.setdefault(section, {})[threads] = comparison
-
-    def result(self, section: str, threads: int, arm: str) -> bx.RunResult | None:
-        comparison = self.sections.get(section, {}).get(threads)
-        return comparison.merged.get(arm) if comparison else None
-
-    def summary(self) -> dict[str, Any]:
-        """The figures as JSON-able data (no per-operation latencies)."""
-
-        def one(r: bx.RunResult) -> dict[str, Any]:
-            return {
-                "ops": r.ops,
-                "seconds": round(r.seconds, 3),
-                "ops_per_s": round(r.ops_per_s, 1),
-                "p50_ms": round(r.p50_ms, 3),
-                "p99_ms": round(r.p99_ms, 3),
-                "unexpected": r.unexpected,
-            }
-
-        sections = {
-            name: {
-                str(n): {
-                    arm: {
-                        **one(result),
-                        "rounds_ops_per_s": [round(x.ops_per_s, 1) for x in c.rounds[arm]],
-                    }
-                    for arm, result in c.merged.items()
-                }
-                for n, c in by_threads.items()
-            }
-            for name, by_threads in self.sections.items()
-        }
-        scan = [{k: v for k, v in asdict(s).items() if k != "plan_text"} for s in self.scan]
-        return {
-            "environment": self.environment,
-            "throughput": sections,
-            "scan": scan,
-            "elapsed_s": round(self.elapsed_s, 1),
-        }
-
-
-def _ops(r: bx.RunResult | None) -> str:
-    return f"{r.ops_per_s:,.0f}" if r else "-"
-
-
-def _lat(r: bx.RunResult | None) -> str:
-    return f"{r.p50_ms:.2f} / {r.p99_ms:.2f}" if r else "-"
-
-
-def _ratio(a: bx.RunResult | None, b: bx.RunResult | None) -> str:
-    if a is None or b is None or b.ops_per_s == 0:
-        return "-"
-    return f"{a.ops_per_s / b.ops_per_s:.2f}"
-
-
-def _range(report: Report, section: str, threads: int, a: str, b: str) -> str:
-    comparison = report.sections.get(section, {}).get(threads)
-    span = comparison.ratio_range(a, b) if comparison else None
-    return f"{span[0]:.2f}-{span[1]:.2f}" if span else "-"
-
-
-def _extra_ms(a: bx.RunResult | None, b: bx.RunResult | None) -> str:
-    """Extra wall time per operation of ``a`` over ``b``, from throughput."""
-    if a is None or b is None or a.ops_per_s == 0 or b.ops_per_s == 0:
-        return "-"
-    return f"{(1 / a.ops_per_s - 1 / b.ops_per_s) * 1000:+.2f}"
-
-
-def _table(title: str, columns: Sequence[str], bold: Sequence[str] = ()) -> Table:
-    t = Table(title=title, title_justify="left")
-    for col in columns:
-        t.add_column(col, justify="right", style="bold" if col in bold else None)
-    return t
+__all__ = ["print_report"]
 
 
 def _print_header(console: Console, report: Report, opts: Options) -> None:
@@ -157,7 +48,7 @@ def _print_header(console: Console, report: Report, opts: Options) -> None:
 
 
 def _print_postgres(console: Console, report: Report, opts: Options) -> None:
-    t = _table(
+    t = table(
         "PostgreSQL: execute() (instant in-process provider) vs the raw two-commit psycopg floor "
         "(ops/s; p50 / p99 ms)",
         (
@@ -184,17 +75,17 @@ def _print_postgres(console: Console, report: Report, opts: Options) -> None:
         unpinged = report.result("postgres", n, "execute_noping")
         t.add_row(
             str(n),
-            _ops(floor),
-            _lat(floor),
-            _ops(shaped),
-            _ops(fresh),
-            _lat(fresh),
-            _ratio(fresh, floor),
-            _range(report, "postgres", n, "execute", "floor"),
-            _ratio(fresh, shaped),
-            _extra_ms(fresh, floor),
-            _ops(unpinged),
-            _ratio(unpinged, floor),
+            ops(floor),
+            lat(floor),
+            ops(shaped),
+            ops(fresh),
+            lat(fresh),
+            ratio(fresh, floor),
+            ratio_range(report, "postgres", n, "execute", "floor"),
+            ratio(fresh, shaped),
+            extra_ms(fresh, floor),
+            ops(unpinged),
+            ratio(unpinged, floor),
             f"{fresh.cpu_ms_per_op:.2f} / {floor.cpu_ms_per_op:.2f}" if fresh and floor else "-",
         )
     console.print(t)
@@ -209,7 +100,7 @@ def _print_postgres(console: Console, report: Report, opts: Options) -> None:
         "  CPU ms/op e / f: client process CPU (time.process_time) per operation, execute() / "
         "floor; includes the in-process provider."
     )
-    t = _table(
+    t = table(
         "PostgreSQL: replays, execute() of a key that already succeeded (ops/s; p50 / p99 ms)",
         (
             "threads",
@@ -229,13 +120,13 @@ def _print_postgres(console: Console, report: Report, opts: Options) -> None:
         fresh = report.result("postgres", n, "execute")
         t.add_row(
             str(n),
-            _ops(floor),
-            _lat(floor),
-            _ops(replay),
-            _lat(replay),
-            _ratio(replay, floor),
-            _range(report, "postgres", n, "execute_replay", "floor_replay"),
-            _ratio(replay, fresh),
+            ops(floor),
+            lat(floor),
+            ops(replay),
+            lat(replay),
+            ratio(replay, floor),
+            ratio_range(report, "postgres", n, "execute_replay", "floor_replay"),
+            ratio(replay, fresh),
         )
     console.print(t)
     console.print(
@@ -244,7 +135,7 @@ def _print_postgres(console: Console, report: Report, opts: Options) -> None:
 
 
 def _print_async(console: Console, report: Report) -> None:
-    t = _table(
+    t = table(
         "execute() vs AsyncExecutor.execute() (instant provider): N threads vs N concurrent "
         "tasks on one event loop (ops/s; p50 / p99 ms)",
         ("store", "N", "sync", "p50 / p99", "async", "p50 / p99 ", "async/sync", "per round"),
@@ -259,12 +150,12 @@ def _print_async(console: Console, report: Report) -> None:
             t.add_row(
                 section,
                 str(n),
-                _ops(sync),
-                _lat(sync),
-                _ops(aio),
-                _lat(aio),
-                _ratio(aio, sync),
-                _range(report, section, n, "execute_async", "execute"),
+                ops(sync),
+                lat(sync),
+                ops(aio),
+                lat(aio),
+                ratio(aio, sync),
+                ratio_range(report, section, n, "execute_async", "execute"),
             )
     console.print(t)
     console.print(
@@ -274,7 +165,7 @@ def _print_async(console: Console, report: Report) -> None:
 
 
 def _print_sandbox(console: Console, report: Report) -> None:
-    t = _table(
+    t = table(
         "PostgreSQL: execute() through the sandbox acquirer over loopback HTTP, server in this "
         "process (ops/s; p50 / p99 ms)",
         ("threads", "instant", "p50 / p99", "sandbox HTTP", "p50 / p99 ", "HTTP/instant"),
@@ -283,14 +174,12 @@ def _print_sandbox(console: Console, report: Report) -> None:
     for n in sorted(report.sections.get("sandbox", {})):
         instant = report.result("sandbox", n, "execute")
         http = report.result("sandbox", n, "execute_http")
-        t.add_row(
-            str(n), _ops(instant), _lat(instant), _ops(http), _lat(http), _ratio(http, instant)
-        )
+        t.add_row(str(n), ops(instant), lat(instant), ops(http), lat(http), ratio(http, instant))
     console.print(t)
 
 
 def _print_sqlite(console: Console, report: Report) -> None:
-    t = _table(
+    t = table(
         "SQLite (temporary file, WAL, synchronous=NORMAL): execute() vs the raw two-commit "
         "sqlite3 floor (ops/s; p50 / p99 ms)",
         (
@@ -311,20 +200,20 @@ def _print_sqlite(console: Console, report: Report) -> None:
         fresh = report.result("sqlite", n, "execute")
         t.add_row(
             str(n),
-            _ops(floor),
-            _lat(floor),
-            _ops(fresh),
-            _lat(fresh),
-            _ratio(fresh, floor),
-            _range(report, "sqlite", n, "execute", "floor"),
-            _ops(report.result("sqlite", n, "execute_replay")),
-            _ratio(report.result("postgres", n, "execute"), fresh),
+            ops(floor),
+            lat(floor),
+            ops(fresh),
+            lat(fresh),
+            ratio(fresh, floor),
+            ratio_range(report, "sqlite", n, "execute", "floor"),
+            ops(report.result("sqlite", n, "execute_replay")),
+            ratio(report.result("postgres", n, "execute"), fresh),
         )
     console.print(t)
 
 
 def _print_scan(console: Console, report: Report) -> None:
-    t = _table(
+    t = table(
         f"PostgreSQL: reconciler scan, Store.claim_due(limit={bench_scan.BATCH}) with "
         f"{report.scan[0].due} due outcome_unknown operations",
         (
@@ -387,11 +276,7 @@ def print_report(console: Console, report: Report, opts: Options) -> None:
         _print_postgres(console, report, opts)
     if "sandbox" in report.sections:
         _print_sandbox(console, report)
-    from bench_metrics import print_metrics  # imports this module: late
-
     print_metrics(console, report)
-    from bench_tracing import print_tracing  # imports this module: late
-
     print_tracing(console, report)
     if "sqlite" in report.sections:
         _print_sqlite(console, report)

@@ -39,7 +39,8 @@ import bench_scan
 import bench_storm
 import bench_tracing
 from bench_async import AsyncBench
-from report import Options, Report, print_report
+from figures import Options, Report
+from report import print_report
 
 from payorch import migrate
 from payorch.execution._executor import Executor

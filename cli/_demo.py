@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import random
 import tempfile
-import threading
 import time
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,7 +34,7 @@ from ..reconciling._reconciler import Reconciler, ReconcilerPolicy
 from ..reconciling._webhooks import WebhookHandler
 from ..storage._store import Store
 from ..storage._tables import operations
-from ._demo_report import attention_reasons, report
+from ._demo_report import Tally, attention_reasons, report
 from ._progress import Update, bar
 from ._runtime import err
 
@@ -54,23 +52,6 @@ FAULT_RATES = {
 }
 CLIENT_TIMEOUT = httpx.Timeout(connect=1.0, read=0.5, write=1.0, pool=1.0)
 SETTLE_DEADLINE = 45.0  # seconds for the reconciler and webhooks to settle everything
-
-
-@dataclass
-class Tally:
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    calls: int = 0
-    replays: int = 0
-    in_progress_answers: int = 0
-    not_sent_answers: int = 0  # ProviderUnavailable: retried with the same key
-    reuse_attempts: int = 0
-    reuse_refused: int = 0
-    first: dict[str, Outcome] = field(default_factory=dict)
-    mismatched_replays: list[str] = field(default_factory=list)
-
-    def bump(self, name: str, n: int = 1) -> None:
-        with self.lock:
-            setattr(self, name, getattr(self, name) + n)
 
 
 def run_demo(*, database_url: str | None, payments: int, seed: int, console: Console) -> bool:

@@ -3,7 +3,9 @@ and the invariant counted at the provider (one effect per operation)."""
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
@@ -17,11 +19,30 @@ from ..storage._store import Store
 from ..storage._tables import events, operations
 
 if TYPE_CHECKING:
-    from ._demo import Tally
+    from ..outcome import Outcome
 
-__all__ = ["MONEY", "attention_reasons", "report"]
+__all__ = ["MONEY", "Tally", "attention_reasons", "report"]
 
 MONEY = ("succeeded", "processing")
+
+
+@dataclass
+class Tally:
+    """What the demo's callers saw, counted as they go; the report checks it."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    calls: int = 0
+    replays: int = 0
+    in_progress_answers: int = 0
+    not_sent_answers: int = 0  # ProviderUnavailable: retried with the same key
+    reuse_attempts: int = 0
+    reuse_refused: int = 0
+    first: dict[str, Outcome] = field(default_factory=dict)
+    mismatched_replays: list[str] = field(default_factory=list)
+
+    def bump(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            setattr(self, name, getattr(self, name) + n)
 
 
 # Events that say by themselves why an operation was flagged.

@@ -82,7 +82,8 @@ def database_url(value: str | None) -> str:
 def open_store(url: str | None, *, require_sync_standby: bool | None = None) -> Iterator[Store]:
     """A store on an existing database: a missing SQLite file is refused, not created.
     ``require_sync_standby`` defaults to ``PAYORCH_REQUIRE_SYNC_STANDBY``."""
-    from ..storage._engine import create_engine, normalise_url
+    from ..storage._engine import create_engine
+    from ..storage._pooling import normalise_url
     from ..storage._store import Store
 
     resolved = database_url(url)

@@ -23,7 +23,8 @@ from sqlalchemy import exc
 from sqlalchemy.engine import URL, Engine
 
 from .errors import ConfigurationError, InvalidRequest
-from .storage._engine import create_engine, map_db_error, normalise_url, schema_of
+from .storage._engine import create_engine, map_db_error, schema_of
+from .storage._pooling import normalise_url
 
 __all__ = [
     "BRANCH",

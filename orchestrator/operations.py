@@ -26,7 +26,6 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 from pydantic_core import PydanticSerializationError
 from pydantic_extra_types.currency_code import ISO4217
 
-from ._redaction import REDACTED, Redactor
 from .core import (
     canonical_idempotency_key,
     check_encodable,
@@ -41,7 +40,7 @@ from .errors import (
     UnencodableRequest,
     UnknownOperationType,
 )
-from .records import NewOperation
+from .records import REDACTED, NewOperation, Redactor
 
 __all__ = [
     "DEFAULT_RETENTION",

@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
-from ._deadline import DeadlineExceeded, asend_with_deadline, send_with_deadline
+from .clients import DeadlineExceeded, asend_with_deadline, send_with_deadline
 from .core import is_namespace_key
 from .errors import InvalidRequest, ProviderListingFailed
 

@@ -360,7 +360,7 @@ def _job(ran: list[threading.Thread], finished: threading.Event) -> Callable[[],
 
 
 def test_an_idle_worker_takes_the_next_call() -> None:
-    from payorch._deadline import _Workers
+    from payorch.clients import _Workers
 
     workers = _Workers(keep=1, idle_for=60)
     idle = workers._idle = _Watched()
@@ -377,7 +377,7 @@ def test_an_idle_worker_takes_the_next_call() -> None:
 
 
 def test_workers_beyond_keep_or_idle_too_long_end() -> None:
-    from payorch._deadline import _Workers
+    from payorch.clients import _Workers
 
     for workers in (_Workers(keep=0, idle_for=60), _Workers(keep=1, idle_for=0.01)):
         ran: list[threading.Thread] = []

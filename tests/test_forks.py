@@ -31,6 +31,7 @@ from payorch.core import State
 from payorch.execution._executor import Executor
 from payorch.execution._flights import Flights
 from payorch.forks import reset_in_child
+from payorch.observing._bounded import OneAtATime
 from payorch.operations import default_registry
 from payorch.provider import StatusQuery
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
@@ -39,7 +40,6 @@ from payorch.reconciling._reconciler import Reconciler
 from payorch.storage._async_store import AsyncStore
 from payorch.storage._bridge import run_bridged
 from payorch.storage._engine import run_sql
-from payorch.storage._probes import OneAtATime
 from payorch.storage._store import Store
 
 PAYMENT = {"amount": 1200, "currency": "EUR", "customer": "cus_fork"}

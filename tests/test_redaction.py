@@ -15,7 +15,6 @@ from conftest import make_due
 from pydantic import BaseModel, Field
 
 from payorch import WebhookHandler, WebhookStatus
-from payorch._redaction import Redactor
 from payorch.core import State
 from payorch.errors import ConfigurationError
 from payorch.execution._executor import Executor
@@ -23,6 +22,7 @@ from payorch.operations import REDACTED, OperationType, Registry, default_regist
 from payorch.provider import Answer, AnswerKind
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
+from payorch.records import Redactor
 from payorch.storage._store import Store
 
 CARD = "4000056655665556"

@@ -19,7 +19,6 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from .._redaction import Redactor
 from ..core import State, backoff_delay, max_backoff_total, validate_key_scope
 from ..errors import (
     ConfigurationError,
@@ -39,7 +38,7 @@ from ..observing import _tracing as tracing
 from ..operations import Prepared, Registry, default_registry
 from ..outcome import Outcome, decide, late_conflict
 from ..provider import Answer, AnswerKind, Provider, SubmitRequest
-from ..records import OperationRecord
+from ..records import OperationRecord, Redactor
 from ..storage._bridge import bridged, pause
 from ..storage._store import Store
 from ._flights import Flight, Flights

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol, TypeVar, cast
 
 try:
     import prometheus_client
@@ -33,14 +33,11 @@ except ImportError:  # without the extra every metric is a no-op
 from ..core import State
 from ..errors import PayorchError, WebhookRejected
 from ..provider import AnswerKind
-from ..storage._probes import OneAtATime, read_gauges
-from ..storage._replication import MODES, Status
-
-if TYPE_CHECKING:
-    from ..storage._store import Store
+from ._bounded import OneAtATime
 
 __all__ = [
     "AVAILABLE",
+    "GaugeSource",
     "Recorder",
     "StoreGauges",
     "checked",
@@ -325,15 +322,22 @@ def counts_webhooks(fn: F) -> F:
 # -- gauges computed at scrape time ---------------------------------------------------
 
 
+class GaugeSource(Protocol):
+    """What the state gauges read (a :class:`~payorch.Store`): its numbers by the database
+    clock, in one read (:meth:`~payorch.Store.read_gauges`)."""
+
+    def read_gauges(self) -> dict[str, Any]: ...
+
+
 class StoreGauges(Collector):
     """Reads the operations table when scraped: active states, due backlog, attention, the
     oldest unknown, and ``payorch_database_up`` (0, never an error, when the read fails or
     takes longer than ``timeout``); on PostgreSQL the replication mode and standbys too.
     """
 
-    def __init__(self, store: Store, *, timeout: float = 5.0) -> None:
+    def __init__(self, store: GaugeSource, *, timeout: float = 5.0) -> None:
         self.store = store
-        self.read = OneAtATime(lambda: read_gauges(store), timeout=timeout)
+        self.read = OneAtATime(store.read_gauges, timeout=timeout)
 
     def describe(self) -> Iterator[Any]:
         return iter(())  # no query at registration time
@@ -367,7 +371,7 @@ class StoreGauges(Collector):
             yield from _replication_gauges(values["replication"])
 
 
-def _replication_gauges(status: Status) -> Iterator[Any]:
+def _replication_gauges(status: Mapping[str, Any]) -> Iterator[Any]:
     """The PostgreSQL replication mode (one series per mode, 1 for the current one) and
     the standbys streaming (absent when the role may not see them)."""
     mode = GaugeMetricFamily(
@@ -376,16 +380,16 @@ def _replication_gauges(status: Status) -> Iterator[Any]:
         "synchronous standby), 0 for the others",
         labels=["mode"],
     )
-    for name in MODES:
-        mode.add_metric([name], 1.0 if status.mode == name else 0.0)
+    for name in status["modes"]:
+        mode.add_metric([name], 1.0 if status["mode"] == name else 0.0)
     yield mode
     for name, text, value in (
         (
             "payorch_database_sync_standbys",
             "Synchronous standbys streaming",
-            status.sync_standbys_streaming,
+            status["sync_standbys"],
         ),
-        ("payorch_database_standbys", "Standbys streaming", status.standbys_streaming),
+        ("payorch_database_standbys", "Standbys streaming", status["standbys"]),
     ):
         if value is not None:
             gauge = GaugeMetricFamily(name, text)
@@ -396,7 +400,7 @@ def _replication_gauges(status: Status) -> Iterator[Any]:
 _watched: list[StoreGauges] = []
 
 
-def watch(store: Store, *, timeout: float = 5.0) -> StoreGauges | None:
+def watch(store: GaugeSource, *, timeout: float = 5.0) -> StoreGauges | None:
     """Export the state gauges of ``store`` in :data:`registry` (replaces an earlier one)."""
     if registry is None:
         return None

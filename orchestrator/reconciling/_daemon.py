@@ -38,7 +38,8 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from ..errors import ConfigurationError, StorageError
 from ..observing import _metrics as metrics
-from ..storage._probes import OneAtATime, replication
+from ..observing._bounded import OneAtATime
+from ..storage._probes import replication
 from ..storage._replication import ENV_STRICT, Status
 from ._reconciler import Reconciler, ReconcileReport
 

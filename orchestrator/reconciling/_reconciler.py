@@ -20,7 +20,6 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from .._redaction import Redactor
 from ..core import State, backoff_delay
 from ..errors import ConfigurationError, CorruptRecord, StaleVersion
 from ..execution._executor import RetryPolicy, owner_of_this_process, submit_and_record
@@ -30,7 +29,7 @@ from ..observing import _tracing as tracing
 from ..operations import REDACTED
 from ..outcome import Decision, settled
 from ..provider import AnswerKind, Provider, StatusQuery
-from ..records import OperationRecord
+from ..records import OperationRecord, Redactor
 from ..storage._store import Store
 from ..storage._tables import db_now_plus, operations
 from ._policy import DEFAULT_CONCURRENCY, ReconcileReport, ReconcilerPolicy

@@ -22,7 +22,6 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from .._redaction import Redactor
 from ..core import State, is_namespace_key, operation_id_from_downstream_key, validate_tenant
 from ..errors import OperationNotFound, StaleVersion, UnknownProvider, WebhookUnstorable
 from ..observing import _logs as logs
@@ -30,7 +29,7 @@ from ..observing import _metrics as metrics
 from ..observing import _tracing as tracing
 from ..outcome import WebhookResult, WebhookStatus, contradicts, settled
 from ..provider import Answer, AnswerKind, Provider, WebhookEvent
-from ..records import OperationRecord
+from ..records import OperationRecord, Redactor
 from ..storage._engine import read_in_transaction, run_in_transaction
 from ..storage._store import Store
 from ..storage._tables import db_now, operations, webhook_inbox

@@ -28,19 +28,18 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event, exc
-from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.engine import URL, Connection, Engine
 
 from ..errors import (
     CommitUncertain,
     ConfigurationError,
     DatabaseUnavailable,
-    InvalidRequest,
     StorageError,
 )
 from ..forks import reset_in_child
 from . import _sessions as sessions
 from ._bridge import pause
-from ._pooling import Pooling, resolve
+from ._pooling import Pooling, normalise_url, resolve
 from ._pooling import configure as configure_pooling
 from ._pooling import engine_options as pooling_options
 
@@ -51,7 +50,6 @@ __all__ = [
     "create_async_engine",
     "create_engine",
     "map_db_error",
-    "normalise_url",
     "read_in_transaction",
     "run_in_transaction",
     "run_sql",
@@ -68,21 +66,6 @@ _SQLITE_BUSY = {sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED}
 MAX_TRANSACTION_ATTEMPTS = 8
 _WRITE_OPTION = "payorch_write"
 _IDLE_READS = 4
-
-
-def normalise_url(url: str | URL) -> URL:
-    try:
-        parsed = make_url(url)
-    except exc.ArgumentError as err:
-        raise InvalidRequest(f"not a database URL: {url!s}") from err
-    if parsed.drivername in ("postgresql", "postgres"):
-        parsed = parsed.set(drivername="postgresql+psycopg")
-    if parsed.get_backend_name() not in ("postgresql", "sqlite"):
-        raise InvalidRequest(f"unsupported database {parsed.get_backend_name()!r}")
-    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
-        # Many threads and processes share the store; an in-memory database cannot.
-        raise InvalidRequest("SQLite needs a file path, e.g. sqlite:///payorch.db")
-    return parsed
 
 
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")

@@ -28,10 +28,10 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import event
-from sqlalchemy.engine import URL, Engine
+from sqlalchemy import event, exc
+from sqlalchemy.engine import URL, Engine, make_url
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, InvalidRequest
 from ._sessions import conninfo
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "POOLER_MODES",
     "Pooling",
     "listen_dsn",
+    "normalise_url",
     "pooling_of",
     "resolve",
 ]
@@ -62,6 +63,21 @@ class Pooling:
         return self.pooler == "transaction"
 
 
+def normalise_url(url: str | URL) -> URL:
+    try:
+        parsed = make_url(url)
+    except exc.ArgumentError as err:
+        raise InvalidRequest(f"not a database URL: {url!s}") from err
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.get_backend_name() not in ("postgresql", "sqlite"):
+        raise InvalidRequest(f"unsupported database {parsed.get_backend_name()!r}")
+    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
+        # Many threads and processes share the store; an in-memory database cannot.
+        raise InvalidRequest("SQLite needs a file path, e.g. sqlite:///payorch.db")
+    return parsed
+
+
 def resolve(pooler: str | None = None, listen_url: str | URL | None = None) -> Pooling:
     """The pooling of an engine: the arguments, else ``PAYORCH_DATABASE_POOLER`` and
     ``PAYORCH_LISTEN_DATABASE_URL`` (read here, as the schema is: an engine must not fail
@@ -77,9 +93,6 @@ def resolve(pooler: str | None = None, listen_url: str | URL | None = None) -> P
     target = listen_url if listen_url is not None else os.environ.get(LISTEN_URL_ENV) or None
     if target is None:
         return Pooling(mode)
-    # Imported here: db imports this module.
-    from ._engine import normalise_url
-
     parsed = normalise_url(target)
     if parsed.get_backend_name() != "postgresql":
         raise ConfigurationError(f"{LISTEN_URL_ENV} must be a PostgreSQL URL, not {parsed!r}")

@@ -1,70 +1,39 @@
-"""Bounded reads of the database for monitoring: scrape-time gauges and readiness probes.
+"""The database reads of monitoring: scrape-time gauges and readiness probes.
 
-A scrape or a probe must answer even when the database does not: each read runs on a worker
-thread and is waited for at most a time-out, and while one is stuck no other is started.
+Plain reads of a store; a scrape or a probe waits for one at most a time-out
+(:class:`payorch.observing._bounded.OneAtATime` runs them), so they need not be quick.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Protocol
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Engine
 
 from ..core import State
 from ..errors import DatabaseReadOnly
-from ..forks import reset_in_child
 from ._engine import read_in_transaction
-from ._replication import Status
+from ._replication import MODES, Guard, Status
 from ._tables import db_now, is_active, is_flagged, operations
 
-if TYPE_CHECKING:
-    from ._store import Store
-
-__all__ = ["OneAtATime", "ping", "read_gauges", "replication"]
-
-T = TypeVar("T")
+__all__ = ["Probed", "ping", "read_gauges", "replication"]
 
 
-class OneAtATime(Generic[T]):
-    """Calls ``fn`` on a worker thread and waits at most ``timeout``; ``None`` on failure or
-    time-out. While an earlier call is still stuck (a hung database), answers ``None`` at
-    once instead of starting another: scrapes and probes never pile threads up."""
+class Probed(Protocol):
+    """What a probe reads through (a :class:`~payorch.Store`)."""
 
-    def __init__(self, fn: Callable[[], T], *, timeout: float) -> None:
-        self.fn = fn
-        self.timeout = timeout
-        self._start()
-        # A forked child has no thread behind a call in flight at the fork.
-        reset_in_child(self, OneAtATime._start)
+    @property
+    def engine(self) -> Engine: ...
 
-    def _start(self) -> None:
-        self._lock = threading.Lock()
-        self._inflight: Future[T] | None = None
+    @property
+    def is_postgres(self) -> bool: ...
 
-    def __call__(self) -> T | None:
-        with self._lock:
-            if self._inflight is not None and not self._inflight.done():
-                return None
-            future: Future[T] = Future()
-            self._inflight = future
-
-        def run() -> None:
-            try:
-                future.set_result(self.fn())
-            except Exception as exc:  # noqa: BLE001 - any failure reads as "no answer"
-                future.set_exception(exc)
-
-        threading.Thread(target=run, name="payorch-monitor-read", daemon=True).start()
-        try:
-            return future.result(timeout=self.timeout)
-        except Exception:  # noqa: BLE001 - time-out or database error: no answer
-            return None
+    @property
+    def replication(self) -> Guard: ...
 
 
-def read_gauges(store: Store) -> dict[str, Any]:
+def read_gauges(store: Probed) -> dict[str, Any]:
     """The scrape-time numbers, by the database clock, in one read transaction.
 
     Non-terminal rows only (``is_active()``: the active partial index, so the cost follows
@@ -102,11 +71,17 @@ def read_gauges(store: Store) -> dict[str, Any]:
 
     values = read_in_transaction(store.engine, read)
     if store.is_postgres:  # the replication gauges: one statement more
-        values["replication"] = replication(store)
+        status = replication(store)
+        values["replication"] = {
+            "mode": status.mode,
+            "modes": MODES,
+            "sync_standbys": status.sync_standbys_streaming,
+            "standbys": status.standbys_streaming,
+        }
     return values
 
 
-def replication(store: Store) -> Status:
+def replication(store: Probed) -> Status:
     """The store's replication status; ``read_only`` (not an error) for a standby or a
     read-only session, so a probe can say so."""
     try:
@@ -115,7 +90,7 @@ def replication(store: Store) -> Status:
         return Status(mode="read_only")
 
 
-def ping(store: Store) -> bool:
+def ping(store: Probed) -> bool:
     """One round trip: the database answers."""
     read_in_transaction(store.engine, lambda conn: conn.execute(sa.select(db_now())).scalar_one())
     return True

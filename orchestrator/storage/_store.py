@@ -36,6 +36,7 @@ from ..errors import (
 from ..forks import reset_in_child
 from ..records import ClaimResult, NewOperation, OperationRecord
 from . import _pg_writes as pg_writes
+from . import _probes as probes
 from . import _replication as replication
 from ._claims import claim_uncertain, duplicate_kind, look_again_after
 from ._engine import create_engine, run_in_transaction, run_statement, schema_of
@@ -116,6 +117,11 @@ class Store(Reads, Replays, WorkQueue):
     @property
     def is_postgres(self) -> bool:
         return self.dialect == "postgresql"
+
+    def read_gauges(self) -> dict[str, Any]:
+        """The state gauges' numbers, by the database clock, in one read (the active and
+        attention partial indexes); on PostgreSQL the replication mode too."""
+        return probes.read_gauges(self)
 
     # -- claim ------------------------------------------------------------------------
 

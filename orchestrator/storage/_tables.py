@@ -23,11 +23,12 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 
+from ..records import Undecodable
+
 __all__ = [
     "ACTIVE_STATE_VALUES",
     "StoredJSON",
     "UTCDateTime",
-    "Undecodable",
     "db_now",
     "db_now_plus",
     "events",
@@ -40,24 +41,6 @@ __all__ = [
 
 ACTIVE_STATE_VALUES = ("in_progress", "outcome_unknown")
 TERMINAL_STATE_VALUES = ("succeeded", "failed_final")
-
-
-class Undecodable:
-    """A stored value its column's type could not decode (SQLite only: it stores any text).
-
-    Result processing hands this back instead of raising, so one corrupt row surfaces as a
-    typed ``CorruptRecord`` when it is turned into a record, and never aborts the statement
-    (or the reconciler's batch) that read it along with healthy rows.
-    """
-
-    __slots__ = ("error", "raw")
-
-    def __init__(self, raw: object, error: Exception) -> None:
-        self.raw = raw
-        self.error = error
-
-    def __repr__(self) -> str:
-        return f"Undecodable({self.raw!r:.60}, {self.error})"
 
 
 def _tolerant(inner: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:

@@ -34,17 +34,22 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..core import State
 from ..errors import PayorchError
 from ..records import OperationRecord
 from ._bridge import bridged, pause, wait_for
 
-if TYPE_CHECKING:
-    from ._store import Store
-
-__all__ = ["NOTIFY_CHANNEL", "Listener", "LoopWaker", "Mark", "Waker", "wait_until_settled"]
+__all__ = [
+    "NOTIFY_CHANNEL",
+    "Listener",
+    "LoopWaker",
+    "Mark",
+    "Waited",
+    "Waker",
+    "wait_until_settled",
+]
 
 NOTIFY_CHANNEL = "payorch_operations"
 _POLL_CAP = 5.0  # seconds between re-reads while the listener is up (NOTIFY wakes sooner)
@@ -391,8 +396,19 @@ class Listener:
 Reread = Callable[[OperationRecord], OperationRecord]
 
 
+class Waited(Protocol):
+    """What a wait needs of its store (a :class:`~payorch.Store`): reads, and its listener."""
+
+    @property
+    def is_postgres(self) -> bool: ...
+
+    def get(self, tenant_id: str, operation_id: str) -> OperationRecord: ...
+
+    def listener(self) -> Listener | None: ...
+
+
 def wait_until_settled(
-    store: Store,
+    store: Waited,
     record: OperationRecord,
     wait: timedelta,
     *,

@@ -36,7 +36,8 @@ else:
 
 __all__ = ["ops_app"]
 
-MAX_PAGE = 1000  # payorch.queries.MAX_PAGE, spelled out so that --help imports nothing heavy
+# storage._queries.MAX_PAGE, spelled out so that --help imports nothing heavy
+MAX_PAGE = 1000
 
 ops_app = typer.Typer(help="Find, understand and resolve payment operations.", no_args_is_help=True)
 

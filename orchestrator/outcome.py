@@ -102,7 +102,7 @@ def decide(
     """Map a classified answer to a state (NOT_SENT after the caller's retries).
 
     The response keeps the answer's body as given: callers pass an answer already
-    redacted (:meth:`payorch.redaction.Redactor.answer`), as its evidence is.
+    redacted (:meth:`payorch.records.Redactor.answer`), as its evidence is.
     """
     ref = answer.provider_reference
     if answer.kind is AnswerKind.SUCCEEDED:

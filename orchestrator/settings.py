@@ -22,7 +22,7 @@ class Settings(BaseSettings):
     key_scope: str = Field(default="", pattern=r"^([A-Za-z0-9][A-Za-z0-9_.:-]{0,63})?$")
     # PostgreSQL only: the schema payorch's tables (and its version table) live in.
     db_schema: str = Field(default="public", pattern=r"^[a-z_][a-z0-9_]{0,62}$")
-    # PostgreSQL only, read by the engine itself (payorch.pooling): "transaction" when
+    # PostgreSQL only, read by the engine itself (storage/_pooling.py): "transaction" when
     # database_url is a transaction-pooling PgBouncer; waiters then LISTEN on
     # listen_database_url (the server, not the pooler) or, without it, poll.
     database_pooler: Literal["none", "session", "transaction"] = "none"

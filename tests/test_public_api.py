@@ -1,9 +1,25 @@
-"""The public surface is pinned: changing it is a deliberate act."""
+"""The public surface is pinned: changing it is a deliberate act.
+
+The surface is ``payorch.__all__`` plus the public modules below (docs/architecture.md); every
+other module is ``_private``. Each public module's ``__all__`` is pinned and sorted the way
+ruff sorts it, and every path the README and docs/ name (an import, a backticked
+``payorch.…``) imports as written.
+"""
 
 from __future__ import annotations
 
+import ast
+import importlib
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
 import payorch
 from payorch import errors
+
+ROOT = Path(__file__).resolve().parent.parent
 
 EXPECTED = [
     "Answer",
@@ -108,3 +124,363 @@ def test_errors_survive_pickling() -> None:
     again = pickle.loads(pickle.dumps(exc))
     assert type(again) is errors.OperationInProgress
     assert (again.operation_id, again.retry_after, again.message) == ("op-1", 3.0, "busy")
+
+
+# -- the public modules ------------------------------------------------------------------------
+
+PUBLIC: dict[str, list[str]] = {
+    "payorch.cli": ["main"],
+    "payorch.clients": [
+        "DeadlineExceeded",
+        "HttpClients",
+        "asend_with_deadline",
+        "send_with_deadline",
+    ],
+    "payorch.core": [
+        "ACTIVE_STATES",
+        "MAX_JSON_INT",
+        "MAX_KEY_LENGTH",
+        "TERMINAL_STATES",
+        "State",
+        "backoff_delay",
+        "canonical_idempotency_key",
+        "check_encodable",
+        "check_transition",
+        "downstream_key",
+        "fingerprint",
+        "is_namespace_key",
+        "namespace_ref",
+        "operation_id_from_downstream_key",
+        "safe_text",
+        "validate_idempotency_key",
+        "validate_key_scope",
+        "validate_operation_name",
+        "validate_tenant",
+    ],
+    "payorch.db": ["create_async_engine", "create_engine"],
+    "payorch.errors": [
+        "CommitUncertain",
+        "ConfigurationError",
+        "CorruptRecord",
+        "DatabaseReadOnly",
+        "DatabaseUnavailable",
+        "IdempotencyError",
+        "IdempotencyKeyExpired",
+        "IdempotencyKeyReused",
+        "InvalidIdempotencyKey",
+        "InvalidMoney",
+        "InvalidRequest",
+        "InvalidTenant",
+        "InvalidTransition",
+        "ListingUnsupported",
+        "OperationInProgress",
+        "OperationNotFound",
+        "OutcomeNotRecorded",
+        "PayorchError",
+        "ProviderError",
+        "ProviderIdempotencyError",
+        "ProviderListingFailed",
+        "ProviderUnavailable",
+        "RequestBodyNotJson",
+        "RequestValidationFailed",
+        "StaleVersion",
+        "StateConflict",
+        "StorageError",
+        "SyncStandbyUnavailable",
+        "UnencodableRequest",
+        "UnknownOperationType",
+        "UnknownProvider",
+        "WebhookMalformed",
+        "WebhookRejected",
+        "WebhookSignatureInvalid",
+        "WebhookUnstorable",
+    ],
+    "payorch.forks": ["reset_in_child"],
+    "payorch.http": [
+        "IDEMPOTENCY_KEY_HEADER",
+        "JSON",
+        "NEW_KEY",
+        "OPERATION_HEADER",
+        "PROBLEM_JSON",
+        "REPLAYED_HEADER",
+        "SAME_KEY",
+        "HttpAnswer",
+        "http_answer",
+        "parse_idempotency_key",
+        "parse_json_body",
+        "problem",
+        "webhook_answer",
+    ],
+    "payorch.integrations.django": [
+        "PayorchConfig",
+        "Tenant",
+        "async_executor",
+        "async_operation_view",
+        "async_webhook_handler",
+        "async_webhook_view",
+        "close",
+        "executor",
+        "idempotent",
+        "idempotent_view",
+        "operation_view",
+        "tenant_resolver",
+        "urls",
+        "webhook_handler",
+        "webhook_view",
+    ],
+    "payorch.integrations.fastapi": [
+        "OPERATION_ROUTE",
+        "WEBHOOK_ROUTE",
+        "Idempotent",
+        "Payorch",
+        "TenantResolver",
+        "header_tenant",
+        "path_tenant",
+        "principal_tenant",
+    ],
+    "payorch.metrics": [
+        "AVAILABLE",
+        "StoreGauges",
+        "enabled",
+        "exposition",
+        "registry",
+        "set_enabled",
+        "watch",
+    ],
+    "payorch.migrate": [
+        "BRANCH",
+        "VERSION_TABLE",
+        "current_revision",
+        "downgrade",
+        "ensure_schema",
+        "head_revision",
+        "script_directory",
+        "upgrade",
+        "versions_directory",
+    ],
+    "payorch.operations": [
+        "DEFAULT_RETENTION",
+        "MONEY_RETENTION",
+        "REDACTED",
+        "Currency",
+        "MinorUnits",
+        "OperationType",
+        "PaymentCapture",
+        "PaymentCreate",
+        "Payout",
+        "Prepared",
+        "Refund",
+        "Registry",
+        "default_registry",
+    ],
+    "payorch.operator": ["RecheckResult", "acknowledge", "recheck", "resolve"],
+    "payorch.outcome": [
+        "REFUSED_BEFORE_SENDING",
+        "Decision",
+        "Outcome",
+        "WebhookResult",
+        "WebhookStatus",
+        "contradicts",
+        "decide",
+        "final_state",
+        "late_conflict",
+        "settled",
+    ],
+    "payorch.provider": [
+        "RAW_EVIDENCE_LIMIT",
+        "TAG_FINGERPRINT",
+        "TAG_KEY",
+        "TAG_LEGACY_OPERATION_ID",
+        "TAG_OPERATION",
+        "TAG_REF",
+        "TAG_TENANT",
+        "Answer",
+        "AnswerKind",
+        "AsyncProvider",
+        "DeadlineExceeded",
+        "EffectLister",
+        "Provider",
+        "ProviderEffect",
+        "StatusQuery",
+        "SubmitRequest",
+        "WebhookEvent",
+        "answer_from_http_status",
+        "answer_from_transport_error",
+        "asend_with_deadline",
+        "bounded_object",
+        "bounded_raw",
+        "call_budget",
+        "listing_failed",
+        "listing_range",
+        "parse_retry_after",
+        "payorch_tags_of",
+        "provider_tags",
+        "send_with_deadline",
+        "unix_time",
+    ],
+    "payorch.providers.sandbox": [
+        "DEFAULT_TIMEOUT",
+        "CommitGate",
+        "Fault",
+        "SandboxProvider",
+        "SandboxServer",
+        "WebhookDelivery",
+        "serve",
+    ],
+    "payorch.providers.stripe": [
+        "DEFAULT_TIMEOUT",
+        "DEFAULT_WEBHOOK_TOLERANCE",
+        "IDEMPOTENCY_WINDOW",
+        "SIGNATURE_HEADER",
+        "SUPPORTED_OPERATIONS",
+        "StripeProvider",
+    ],
+    "payorch.records": [
+        "OPERATION_COLUMNS",
+        "REDACTED",
+        "ClaimResult",
+        "EventRecord",
+        "NewOperation",
+        "OperationRecord",
+        "Redactor",
+        "Undecodable",
+    ],
+    "payorch.settings": ["Settings"],
+    "payorch.tracing": ["enabled", "use_tracer_provider"],
+}
+
+
+def _ruff_order(name: str) -> tuple[int, str]:
+    # ruff's RUF022 ("isort-style"): CONSTANTS, then Classes, then the rest.
+    kind = 0 if name.isupper() else 1 if name[:1].isupper() else 2
+    return kind, name
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_each_public_module_pins_a_sorted_all_that_resolves(name: str) -> None:
+    module = importlib.import_module(name)
+    assert module.__all__ == PUBLIC[name]
+    assert sorted(module.__all__, key=_ruff_order) == module.__all__
+    for member in module.__all__:
+        assert hasattr(module, member), f"{name}.{member}"
+
+
+def test_the_root_sorts_as_ruff_does_too() -> None:
+    assert sorted(payorch.__all__, key=_ruff_order) == payorch.__all__
+
+
+# -- every path the docs name ------------------------------------------------------------------
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Names the docs give that are not import paths: span, span attribute and logger names.
+TELEMETRY = frozenset(
+    {
+        "payorch.claim",
+        "payorch.error",
+        "payorch.execute",
+        "payorch.executor",
+        "payorch.provider.submit",
+        "payorch.reconcile.check",
+        "payorch.reconciler",
+        "payorch.record",
+        "payorch.webhook",
+        "payorch.webhooks",
+    }
+)
+# Alembic's folder in the wheel (env.py and the revisions), not a module: payorch.migrate runs it.
+MIGRATIONS = "payorch.migrations"
+_BACKTICKED = re.compile(r"`(payorch(?:\.\w+)+)")
+_IMPORT = re.compile(r"^\s*(?:from payorch[\w.]* import |import payorch)")
+
+
+def _resolve(path: str) -> Any:
+    """``payorch.a.b.c``: the longest importable module, then attributes; raises if neither."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            value: Any = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for attribute in parts[i:]:
+            value = getattr(value, attribute)
+        return value
+    raise ModuleNotFoundError(path)
+
+
+def _imports_in(text: str) -> list[str]:
+    """The payorch import statements of a text (a parenthesised one across its lines)."""
+    found, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if not _IMPORT.match(line):
+            continue
+        statement = line.strip()
+        j = i
+        while "(" in statement and ")" not in statement:
+            j += 1
+            statement += " " + lines[j].strip()
+        found.append(statement.split("#")[0].strip())
+    return found
+
+
+def _documented_imports() -> list[tuple[str, str]]:
+    sources = [*DOCS, *sorted((ROOT / "examples").rglob("*.py"))]
+    return [
+        (str(path.relative_to(ROOT)), statement)
+        for path in sources
+        for statement in _imports_in(path.read_text())
+    ]
+
+
+def test_the_docs_name_their_imports() -> None:
+    # The test below reads what it should: the README's embedding example is among them.
+    statements = {s for _, s in _documented_imports()}
+    assert "from payorch.migrate import upgrade" in statements
+    assert any(s.startswith("from payorch.integrations.fastapi import") for s in statements)
+
+
+@pytest.mark.parametrize(("source", "statement"), _documented_imports())
+def test_every_documented_import_works(source: str, statement: str) -> None:
+    node = ast.parse(statement).body[0]
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            importlib.import_module(alias.name)
+        return
+    assert isinstance(node, ast.ImportFrom) and node.module
+    module = importlib.import_module(node.module)
+    for alias in node.names:
+        assert hasattr(module, alias.name) or importlib.import_module(
+            f"{node.module}.{alias.name}"
+        ), f"{source}: {statement}"
+    assert "._" not in node.module, f"{source} imports an internal module: {statement}"
+
+
+def _documented_paths() -> list[tuple[str, str]]:
+    return sorted(
+        {
+            (str(path.relative_to(ROOT)), match.group(1))
+            for path in DOCS
+            for match in _BACKTICKED.finditer(path.read_text())
+        }
+    )
+
+
+@pytest.mark.parametrize(("source", "path"), _documented_paths())
+def test_every_backticked_path_in_the_docs_resolves(source: str, path: str) -> None:
+    private = [p for p in path.split(".") if p.startswith("_") and not p.startswith("__")]
+    assert private == [], f"{source} names an internal module: {path}"
+    if path == MIGRATIONS:
+        from payorch import migrate
+
+        assert Path(migrate.versions_directory()).is_dir()
+        return
+    if path in TELEMETRY:
+        with pytest.raises((ModuleNotFoundError, AttributeError)):
+            _resolve(path)  # a telemetry name that became a path would mislead
+        return
+    try:
+        _resolve(path)
+    except (ModuleNotFoundError, AttributeError):
+        # docs/http.md calls the FastAPI integration's object `payorch` (`payorch.router()`).
+        from payorch.integrations.fastapi import Payorch
+
+        assert hasattr(Payorch, path.partition(".")[2]), f"{source}: {path} does not resolve"

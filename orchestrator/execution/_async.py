@@ -3,8 +3,8 @@
 
 Each is a thin driver around its sync twin. The sync flow (claim, submit, classify, record,
 the inline retries, the late-answer fencing, the webhook inbox) runs unchanged under
-:func:`~payorch.bridge.run_bridged`; only its I/O differs: the database through an
-:class:`~payorch.async_store.AsyncStore`, the provider through an adapter's ``asubmit`` /
+:func:`~payorch.storage._bridge.run_bridged`; only its I/O differs: the database through an
+:class:`~payorch.storage._async_store.AsyncStore`, the provider through an adapter's ``asubmit`` /
 ``aquery_status`` (httpx.AsyncClient), the pauses through ``asyncio.sleep``. So the decisions
 exist once, and the guarantees and errors are the sync API's.
 
@@ -72,7 +72,7 @@ def bridged_providers(providers: Iterable[AsyncProvider]) -> list[_Bridged]:
 
 
 class AsyncExecutor:
-    """:class:`~payorch.executor.Executor` for asyncio: the same arguments (``sleep`` is
+    """:class:`~payorch.execution._executor.Executor` for asyncio: the same arguments (``sleep`` is
     awaited), the same lease check at start-up, the same outcomes and errors."""
 
     def __init__(
@@ -134,7 +134,7 @@ class AsyncExecutor:
         provider: str | None = None,
         wait: timedelta | None = None,
     ) -> Outcome:
-        """:meth:`Executor.execute <payorch.executor.Executor.execute>`, awaited.
+        """:meth:`Executor.execute <payorch.execution._executor.Executor.execute>`, awaited.
 
         A ``wait`` on a duplicate in progress naps on the event loop; other tasks run.
         """

@@ -166,7 +166,7 @@ class Executor:
 
         On PostgreSQL, a call with ``wait`` that finds an identical call (same namespace and
         fingerprint) under way in this executor joins it and answers with its outcome
-        (:mod:`payorch.flights`) instead of claiming and waiting on the database itself.
+        (:mod:`payorch.execution._flights`) instead of claiming and waiting on the database itself.
         """
         started = time.perf_counter()
         prepared = self.registry.prepare(

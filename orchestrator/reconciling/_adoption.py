@@ -11,7 +11,7 @@ nothing: :attr:`~payorch.records.OperationRecord.released`): one version-fenced
 ``Store.transition`` of that row to the state the evidence proves. A retry that takes the
 row over first moves its version, and the adoption loses with ``StaleVersion``.
 
-The decisions (what is adoptable, in which state) are :mod:`payorch.unexplained`'s.
+The decisions (what is adoptable, in which state) are :mod:`payorch.reconciling._unexplained`'s.
 """
 
 from __future__ import annotations

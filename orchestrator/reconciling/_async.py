@@ -24,7 +24,7 @@ __all__ = ["AsyncReconciler", "AsyncWebhookHandler"]
 
 
 class AsyncWebhookHandler:
-    """:class:`~payorch.webhooks.WebhookHandler` for asyncio (verification does no I/O)."""
+    """:class:`~payorch.WebhookHandler` for asyncio (verification does no I/O)."""
 
     def __init__(
         self, *, store: AsyncStore, providers: Iterable[AsyncProvider], actor: str = "webhook"
@@ -37,12 +37,12 @@ class AsyncWebhookHandler:
     async def handle(
         self, tenant_id: str, provider: str, headers: Mapping[str, str], body: bytes
     ) -> WebhookResult:
-        """:meth:`WebhookHandler.handle <payorch.webhooks.WebhookHandler.handle>`, awaited."""
+        """:meth:`WebhookHandler.handle <payorch.WebhookHandler.handle>`, awaited."""
         return await run_bridged(self._sync.handle, tenant_id, provider, headers, body)
 
 
 class AsyncReconciler:
-    """:class:`~payorch.reconciler.Reconciler` for asyncio: one pass, or passes until idle."""
+    """:class:`~payorch.Reconciler` for asyncio: one pass, or passes until idle."""
 
     def __init__(
         self,

@@ -9,14 +9,14 @@ checks in flight finish, the rest of the batch is handed back (leases released),
 process exits.
 
 Opt-in, a second job (same defaults) looks for provider effects no operation explains
-(:class:`~payorch.unexplained.UnexplainedWatch`, ``PAYORCH_UNEXPLAINED_EVERY_SECONDS``).
+(:class:`~payorch.reconciling._watch.UnexplainedWatch`, ``PAYORCH_UNEXPLAINED_EVERY_SECONDS``).
 
 With a monitoring address the daemon also serves, on a small threaded HTTP server:
 ``/metrics`` (Prometheus text format; 404 without the ``payorch[metrics]`` extra),
 ``/healthz`` (200 while the process runs) and ``/readyz`` (200 when the database answers
 as a read-write primary, a pass finished within ``3 x interval`` and, if the store requires
 a synchronous standby, one streams; else 503 with the reason on one line). Either way the
-body names the replication mode (:mod:`payorch.replication`). At start-up the daemon logs
+body names the replication mode (:mod:`payorch.storage._replication`). At start-up the daemon logs
 that mode (WARNING unless synchronous) and, in strict mode, refuses to start without it.
 """
 

@@ -1,5 +1,5 @@
-"""What a look for unexplained provider effects found (:mod:`payorch.unexplained`): plain
-values, for the CLI, the daemon and callers."""
+"""What a look for unexplained provider effects found (:mod:`payorch.reconciling._unexplained`):
+plain values, for the CLI, the daemon and callers."""
 
 from __future__ import annotations
 

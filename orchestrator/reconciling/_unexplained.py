@@ -116,7 +116,7 @@ def lister_of(provider: object) -> EffectLister:
 
 def installation_scope(key_scope: str | None = None) -> str:
     """This installation's key scope: ``key_scope``, or for None the environment's
-    ``PAYORCH_KEY_SCOPE``, as the :class:`~payorch.executor.Executor` reads it (only that
+    ``PAYORCH_KEY_SCOPE``, as the :class:`~payorch.Executor` reads it (only that
     variable); ``ConfigurationError`` for a scope that is not one."""
     return validate_key_scope(
         os.environ.get("PAYORCH_KEY_SCOPE", "") if key_scope is None else key_scope

@@ -1,8 +1,8 @@
 """The durable store for the async API: :class:`AsyncStore`.
 
-No SQL here. An :class:`AsyncStore` is the sync :class:`~payorch.store.Store` built on the
+No SQL here. An :class:`AsyncStore` is the sync :class:`~payorch.storage._store.Store` built on the
 sync face of an async engine (psycopg's async driver, or aiosqlite), each method run by
-:func:`~payorch.bridge.run_bridged`: every round trip awaits on the event loop, and the
+:func:`~payorch.storage._bridge.run_bridged`: every round trip awaits on the event loop, and the
 claim, the fencing and the error mapping are the very same code as the sync store's.
 """
 
@@ -30,7 +30,7 @@ __all__ = ["AsyncStore"]
 class AsyncStore:
     """Operations and their events on PostgreSQL or SQLite, awaited.
 
-    Same methods, arguments, results and errors as :class:`~payorch.store.Store`, as
+    Same methods, arguments, results and errors as :class:`~payorch.storage._store.Store`, as
     coroutines. ``sync`` is the store the async executor and handler drive under the bridge.
     """
 
@@ -45,7 +45,7 @@ class AsyncStore:
         return cls(create_async_engine(url, **engine_kwargs))
 
     async def check_replication(self) -> Status:
-        """The start-up check of :meth:`payorch.replication.Guard.check`, awaited: the
+        """The start-up check of :meth:`payorch.storage._replication.Guard.check`, awaited: the
         replication mode, logged; refused (``ConfigurationError``) when the store requires
         a synchronous standby and none streams. (A sync store checks when it is built.)"""
         return await run_bridged(self.sync.replication.check)

@@ -11,7 +11,7 @@ No pre-ping either: a pooled connection is checked locally at checkout (a closed
 seen without a round trip), and a connection that breaks inside a transaction before its
 COMMIT is retried once on a fresh one. Each connection's first use checks that it reached a
 read-write primary, and a commit whose synchronous-standby wait was cancelled is uncertain
-too (:mod:`payorch.sessions`).
+too (:mod:`payorch.storage._sessions`).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def create_engine(
     ``public``): the connections' ``search_path`` names it, set at connect time so no
     statement pays for it. ``pooler`` and ``listen_url`` (defaults
     ``PAYORCH_DATABASE_POOLER``, ``PAYORCH_LISTEN_DATABASE_URL``) say whether ``url`` is a
-    pooler and where waiters listen: :mod:`payorch.pooling`.
+    pooler and where waiters listen: :mod:`payorch.storage._pooling`.
     """
     parsed, name, pooling = _engine_options(url, schema, pooler, listen_url, kwargs)
     engine = sa.create_engine(parsed, **kwargs)
@@ -122,7 +122,7 @@ def create_async_engine(
     IMMEDIATE and schema, over psycopg's async driver or aiosqlite.
 
     The configuration attaches to ``engine.sync_engine``, the engine the sync store code
-    runs on under :func:`payorch.bridge.run_bridged`.
+    runs on under :func:`payorch.storage._bridge.run_bridged`.
     """
     from sqlalchemy.ext.asyncio import create_async_engine as _create
 

@@ -1,7 +1,7 @@
 """PostgreSQL's hot writes, one statement and one round trip each (see ``statements.py``).
 
 The store decides what to write and what an answer means; this module fills the parameters
-of the SQL-text statements, runs each in autocommit (:func:`~payorch.db.run_sql`) and
+of the SQL-text statements, runs each in autocommit (:func:`~payorch.storage._engine.run_sql`) and
 turns the row into a record. Timestamps come from the database; ids from the caller.
 """
 

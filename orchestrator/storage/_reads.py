@@ -1,5 +1,5 @@
 """The store's reads: one operation by key, id, namespace or reference; its timeline; the
-database clock. A mixin of :class:`~payorch.store.Store`."""
+database clock. A mixin of :class:`~payorch.storage._store.Store`."""
 
 from __future__ import annotations
 

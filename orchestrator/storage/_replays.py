@@ -1,5 +1,5 @@
 """Reads that count a replay: a waiter's look, a flight's joiners. A mixin of
-:class:`~payorch.store.Store`."""
+:class:`~payorch.storage._store.Store`."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ class Replays:
 
     def count_replays(self, record: OperationRecord, replays: int) -> None:
         """Count ``replays`` answers given from ``record`` (terminal) without reading it
-        (joiners of a flight: :mod:`payorch.flights`). PostgreSQL only; a lost answer only
-        leaves the count in doubt."""
+        (joiners of a flight: :mod:`payorch.execution._flights`). PostgreSQL only; a lost answer
+        only leaves the count in doubt."""
         pg_writes.reread(self.engine, record, replays)
 
     def _reread(self, record: OperationRecord) -> OperationRecord:

@@ -97,7 +97,8 @@ class Store(Reads, Replays, WorkQueue):
 
     def listener(self) -> Listener | None:
         """The shared LISTEN connection for waiters, started on first use; None where they
-        poll (SQLite; a transaction pooler with no ``listen_url``: :mod:`payorch.pooling`)."""
+        poll (SQLite; a transaction pooler with no ``listen_url``:
+        :mod:`payorch.storage._pooling`)."""
         if not self.is_postgres:
             return None
         with self._listener_lock:

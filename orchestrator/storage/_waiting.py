@@ -10,7 +10,7 @@ every ``_POLL_CAP`` seconds as a safety net. However many requests wait, they co
 connection and no database work while nothing changes; if that connection fails, waiters
 poll every ``_POLL_FALLBACK`` seconds until it is back. SQLite waiters poll with backoff,
 and so do PostgreSQL waiters behind a transaction pooler with no direct URL to listen on
-(:mod:`payorch.pooling`): a LISTEN there holds on whichever server connection it ran.
+(:mod:`payorch.storage._pooling`): a LISTEN there holds on whichever server connection it ran.
 
 A wait never trusts the listener to answer: it re-reads on its own schedule, waits for the
 listener's shared read at most ``_DELIVERY_WAIT`` seconds before reading for itself, and so
@@ -19,7 +19,7 @@ that stops answering). A listener whose read or heartbeat is overdue is not trus
 waiters poll as if it were down); one stuck for ``_STUCK_AFTER`` seconds has its connection
 cut by the next waiter that notices, so it reconnects.
 
-Under the async API (:mod:`payorch.bridge`) a wait never blocks the event loop: naps are
+Under the async API (:mod:`payorch.storage._bridge`) a wait never blocks the event loop: naps are
 ``asyncio.sleep`` and the listener thread wakes a waiter through its loop.
 """
 

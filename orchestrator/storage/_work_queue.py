@@ -1,6 +1,6 @@
 """The reconciler's work queue: lease due operations, hand them back, set corrupt rows aside.
 
-A mixin of :class:`~payorch.store.Store`; it uses the store's engine and event log.
+A mixin of :class:`~payorch.storage._store.Store`; it uses the store's engine and event log.
 """
 
 from __future__ import annotations

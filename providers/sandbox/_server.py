@@ -1,7 +1,7 @@
 """The sandbox acquirer's HTTP server on loopback, and ``serve`` for the CLI.
 
 :class:`SandboxServer` owns the life cycle and the controls tests use (clock, faults, ledger,
-webhooks); :mod:`payorch.providers.sandbox.api` decides the answers. The server is a stdlib
+webhooks); :mod:`payorch.providers.sandbox._api` decides the answers. The server is a stdlib
 ``ThreadingHTTPServer`` so that faults can act on the socket itself (hold, RST).
 """
 

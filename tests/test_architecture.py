@@ -1,0 +1,286 @@
+"""The folders tell the architecture (docs/architecture.md), and a change that breaks it fails
+here: the wings import downward only, no import circle (imports inside functions count, and
+type-only ones too), every internal module is marked ``_private``, no module passes 600 lines.
+
+Read from the source (``ast``), not from ``sys.modules``: an import inside a function counts
+whether or not a test happened to run it.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# The folders and the import root each is mapped onto (pyproject.toml).
+FOLDERS = {"orchestrator": "payorch", "providers": "payorch.providers", "cli": "payorch.cli"}
+WINGS = ("observing", "storage", "execution", "reconciling", "integrations")
+# The top of payorch: the base every wing imports ...
+BASE = frozenset(
+    {
+        "clients",
+        "core",
+        "errors",
+        "forks",
+        "http",
+        "operations",
+        "outcome",
+        "provider",
+        "records",
+        "settings",
+    }
+)
+# ... and the public modules over the wings: migrate, and the faces (re-exports only).
+FACES = frozenset({"db", "metrics", "operator", "tracing"})
+OVER = FACES | {"migrate"}
+# What each layer may import (besides itself).
+ALLOWED: dict[str, frozenset[str]] = {
+    "base": frozenset(),
+    "observing": frozenset({"base"}),
+    "storage": frozenset({"base", "observing"}),
+    "execution": frozenset({"base", "observing", "storage"}),
+    "reconciling": frozenset({"base", "observing", "storage", "execution"}),
+    "integrations": frozenset({"base", "observing", "storage", "execution", "reconciling"}),
+    "providers": frozenset({"base", "observing"}),
+    "over": frozenset({"base", "observing", "storage", "execution", "reconciling"}),
+    "cli": frozenset(
+        {
+            "base",
+            "observing",
+            "storage",
+            "execution",
+            "reconciling",
+            "integrations",
+            "providers",
+            "over",
+        }
+    ),
+}
+MAX_LINES = 600
+MAX_TOP = 16  # modules at the top of orchestrator/, __init__ included
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str  # payorch.storage._store
+    path: Path
+    is_package: bool
+
+    @property
+    def leaf(self) -> str:
+        return self.name.rpartition(".")[2]
+
+
+def _modules() -> dict[str, Module]:
+    found: dict[str, Module] = {}
+    for folder, root in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts.pop()
+            name = ".".join([root, *parts])
+            found[name] = Module(name, path, is_package)
+    return found
+
+
+MODULES = _modules()
+
+
+def _type_only(tree: ast.AST) -> set[int]:
+    """The ids of the nodes under ``if TYPE_CHECKING:``."""
+    ids: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            test = node.test
+            name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", None)
+            if name == "TYPE_CHECKING":
+                for child in node.body:
+                    ids.update(id(n) for n in ast.walk(child))
+    return ids
+
+
+def _imports(module: Module, *, type_only: bool) -> Iterator[str]:
+    """The payorch modules ``module`` imports, anywhere in it (functions included)."""
+    tree = ast.parse(module.path.read_text())
+    skip = set() if type_only else _type_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                package = module.name.split(".")
+                if not module.is_package:
+                    package.pop()
+                package = package[: len(package) - node.level + 1]
+                base = ".".join([*package, *([node.module] if node.module else [])])
+            else:
+                base = node.module or ""
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base
+                for alias in node.names
+            ]
+        else:
+            continue
+        for target in targets:
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != module.name:
+                yield target
+
+
+def _graph(*, type_only: bool) -> dict[str, set[str]]:
+    return {name: set(_imports(m, type_only=type_only)) for name, m in MODULES.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def layer(name: str) -> str:
+    parts = name.split(".")
+    if name == "payorch":
+        return "root"
+    if parts[1] in ("cli", "providers"):
+        return parts[1]
+    if parts[1] in WINGS:
+        return parts[1]
+    if parts[1] in BASE:
+        return "base"
+    if parts[1] in OVER:
+        return "over"
+    raise AssertionError(f"{name}: a module at the top of payorch that no layer names")
+
+
+@pytest.mark.parametrize("type_only", [False, True], ids=["runtime", "type-only-too"])
+def test_no_import_circle(type_only: bool) -> None:
+    assert _cycles(_graph(type_only=type_only)) == []
+
+
+def test_benchmarks_have_no_import_circle() -> None:
+    scripts = {p.stem: p for p in (ROOT / "benchmarks").glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for stem, path in scripts.items():
+        graph[stem] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            graph[stem].update(n for n in names if n in scripts and n != stem)
+    assert _cycles(graph) == []
+
+
+def test_every_module_has_a_layer_and_the_layers_import_downward() -> None:
+    wrong = []
+    for name, targets in _graph(type_only=True).items():
+        here = layer(name)
+        if here == "root":
+            continue
+        for target in targets:
+            there = layer(target)
+            if there == here:
+                continue
+            if there not in ALLOWED[here]:
+                wrong.append(f"{name} ({here}) imports {target} ({there})")
+    assert wrong == []
+
+
+def test_no_module_imports_a_public_face() -> None:
+    # The faces re-export for users; payorch's own code imports the module behind each.
+    faces = {f"payorch.{face}" for face in FACES}
+    wrong = [
+        f"{name} imports {target}"
+        for name, targets in _graph(type_only=True).items()
+        for target in targets & faces
+    ]
+    assert wrong == []
+
+
+def test_faces_only_re_export() -> None:
+    for face in sorted(FACES):
+        tree = ast.parse(MODULES[f"payorch.{face}"].path.read_text())
+        kinds = {type(node).__name__ for node in tree.body}
+        assert kinds <= {"Expr", "ImportFrom", "Assign"}, f"payorch.{face} defines {kinds}"
+
+
+def test_internal_modules_are_private() -> None:
+    public = []
+    for name, module in MODULES.items():
+        parts = name.split(".")
+        if module.is_package or module.leaf == "__main__":
+            continue
+        inside = parts[1] in (*WINGS, "cli") or parts[1] == "providers" and len(parts) > 3
+        if inside and not module.leaf.startswith("_"):
+            public.append(name)
+    # The integrations are public modules of their own (one framework each).
+    assert sorted(public) == ["payorch.integrations.django", "payorch.integrations.fastapi"]
+
+
+def test_the_top_of_the_package_stays_small_and_named() -> None:
+    top = sorted(
+        m.leaf for m in MODULES.values() if m.name.count(".") == 1 and not m.is_package
+    )
+    assert top == sorted(BASE | OVER)
+    assert len(top) + 1 <= MAX_TOP  # and __init__
+
+
+def test_no_module_passes_600_lines() -> None:
+    folders = [*FOLDERS, "tests", "benchmarks", "examples", "alembic"]
+    long = {
+        str(path.relative_to(ROOT)): n
+        for folder in folders
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}
+
+
+def test_the_graph_reader_sees_imports_inside_functions_and_type_checking() -> None:
+    # The checks above are only as good as this reader: it must see all three kinds.
+    runtime = _graph(type_only=False)
+    everything = _graph(type_only=True)
+    # A function-level import (the CLI imports its commands' modules late).
+    assert "payorch.cli._app" in runtime["payorch.cli"]
+    # A type-only one: the root's lazy exports are imported under TYPE_CHECKING only.
+    assert "payorch.storage._store" in everything["payorch"]
+    assert "payorch.storage._store" not in runtime["payorch"]

@@ -249,7 +249,7 @@ def test_internal_modules_are_private() -> None:
         parts = name.split(".")
         if module.is_package or module.leaf == "__main__":
             continue
-        inside = parts[1] in (*WINGS, "cli") or parts[1] == "providers" and len(parts) > 3
+        inside = parts[1] in (*WINGS, "cli") or (parts[1] == "providers" and len(parts) > 3)
         if inside and not module.leaf.startswith("_"):
             public.append(name)
     # The integrations are public modules of their own (one framework each).
@@ -257,9 +257,7 @@ def test_internal_modules_are_private() -> None:
 
 
 def test_the_top_of_the_package_stays_small_and_named() -> None:
-    top = sorted(
-        m.leaf for m in MODULES.values() if m.name.count(".") == 1 and not m.is_package
-    )
+    top = sorted(m.leaf for m in MODULES.values() if m.name.count(".") == 1 and not m.is_package)
     assert top == sorted(BASE | OVER)
     assert len(top) + 1 <= MAX_TOP  # and __init__
 

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 from conftest import FAST_TIMEOUT, effects_of, make_due
+from stripe_helpers import OP_ID, PI_ID, payment_intent, query, search_result
 from test_deadline import GAP, SHORT, TRICKLE_TIMEOUT
-from test_stripe_adapter import OP_ID, PI_ID, payment_intent, query, search_result
 from test_webhooks import signed
 
 from payorch import AsyncExecutor, AsyncReconciler, AsyncStore, AsyncWebhookHandler, WebhookStatus

@@ -1,165 +1,45 @@
-"""The operator CLI on real databases holding operations in every state."""
+"""The operator CLI's ops commands (list, show, resolve, recheck) on real databases holding
+operations in every state.
+
+Stats, durations, the reconciler's commands and the CLI as a real process are in
+test_cli_runtime.py, ``effects unexplained`` in test_cli_effects.py; what they share in
+cli_helpers.py.
+"""
 
 from __future__ import annotations
 
 import json
-import os
-import shlex
-import signal
-import subprocess
-import sys
-from dataclasses import dataclass
-from datetime import datetime, timedelta
-from pathlib import Path
-from typing import Any
+from datetime import datetime
 
-import httpx
 import pytest
-import sqlalchemy as sa
+from cli_helpers import (
+    LIVE,
+    REGISTRY,
+    World,
+    ids,
+    listed,
+    make_world,
+    one_error_line,
+    run,
+    snapshot,
+    to_unknown,
+)
 from conftest import effects_of
-from typer.testing import CliRunner, Result
 
 from payorch.cli import _render as render
-from payorch.cli._app import app
-from payorch.cli._runtime import parse_duration
-from payorch.core import State, namespace_ref
-from payorch.errors import ProviderUnavailable
-from payorch.execution._executor import Executor, RetryPolicy
-from payorch.operations import default_registry
+from payorch.core import State
 from payorch.provider import AnswerKind, SubmitRequest
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.providers.sandbox._faults import Fault
 from payorch.records import OperationRecord
-from payorch.storage._queries import stats
 from payorch.storage._store import Store
-from payorch.storage._tables import events, operations
 
-LIVE = timedelta(minutes=5)
-REGISTRY = default_registry("sandbox")
-PAYORCH = Path(sys.executable).with_name("payorch")
-runner = CliRunner()
 # Fields that travel as ISO 8601 text in JSON.
 TIMES = {n for n, f in OperationRecord.__dataclass_fields__.items() if "datetime" in str(f.type)}
 
 
-def claim(
-    store: Store,
-    key: str,
-    *,
-    tenant: str = "shop-a",
-    operation: str = "payment.create",
-    provider: str = "sandbox",
-    lease: timedelta = LIVE,
-    possibly_sent: bool = True,
-    request: dict[str, Any] | None = None,
-) -> OperationRecord:
-    prepared = REGISTRY.prepare(
-        tenant_id=tenant,
-        operation=operation,
-        idempotency_key=key,
-        request=request or {"amount": 1999, "currency": "EUR", "customer": "cus_1"},
-        provider=provider,
-    )
-    res = store.claim(prepared.new, owner="worker-1", lease=lease, possibly_sent=possibly_sent)
-    return res.operation
-
-
-def to_unknown(
-    store: Store, record: OperationRecord, *, attention: bool = False
-) -> OperationRecord:
-    return store.transition(
-        record,
-        State.OUTCOME_UNKNOWN,
-        kind="provider_answer",
-        actor="worker-1",
-        detail={"attempt": 1, "duration_ms": 12.5, "kind": "ambiguous", "code": "http_500"},
-        next_check_in=timedelta(minutes=10),
-        error_code="http_500",
-        needs_attention=attention,
-    )
-
-
-@dataclass
-class World:
-    live: OperationRecord
-    abandoned: OperationRecord
-    unknown: OperationRecord
-    flagged: OperationRecord
-    succeeded: OperationRecord
-    failed: OperationRecord
-
-    def all(self) -> list[OperationRecord]:
-        return [self.live, self.abandoned, self.unknown, self.flagged, self.succeeded, self.failed]
-
-
 @pytest.fixture
 def world(store: Store) -> World:
-    live = claim(store, "k-live")
-    abandoned = claim(store, "k-abandoned", lease=timedelta(seconds=-60), possibly_sent=False)
-    unknown = to_unknown(store, claim(store, "k-unknown"))
-    flagged = to_unknown(
-        store,
-        claim(
-            store,
-            "k-flagged",
-            tenant="shop-b",
-            operation="payout.create",
-            provider="stripe",
-            request={"amount": 5000, "currency": "JPY", "destination": "ba_1"},
-        ),
-        attention=True,
-    )
-    succeeded = store.transition(
-        claim(store, "k-ok"),
-        State.SUCCEEDED,
-        kind="provider_answer",
-        actor="worker-1",
-        provider_reference="eff_ok",
-        response={"status": "succeeded", "http_status": 200},
-    )
-    failed = store.transition(
-        claim(store, "k-declined", tenant="shop-b"),
-        State.FAILED_FINAL,
-        kind="provider_answer",
-        actor="worker-1",
-        error_code="card_declined",
-        response={"status": "failed", "http_status": 402},
-    )
-    return World(live, abandoned, unknown, flagged, succeeded, failed)
-
-
-def run(
-    db_url: str, *args: str, input: str | None = None, env: dict[str, str] | None = None
-) -> Result:
-    """Invoke the CLI; a single argument is split as a shell would split it."""
-    argv = shlex.split(args[0]) if len(args) == 1 else list(args)
-    return runner.invoke(app, [*argv, "--database-url", db_url], input=input, env=env)
-
-
-def listed(db_url: str, *args: str) -> list[dict[str, Any]]:
-    result = run(db_url, "ops", "list", "--json", *args)
-    assert result.exit_code == 0, result.output
-    items: list[dict[str, Any]] = json.loads(result.stdout)["items"]
-    return items
-
-
-def ids(items: list[dict[str, Any]]) -> set[str]:
-    return {i["id"] for i in items}
-
-
-def snapshot(store: Store) -> tuple[list[Any], int]:
-    with store.engine.connect() as conn:
-        rows = conn.execute(sa.select(operations).order_by(operations.c.id)).all()
-        count = conn.execute(sa.select(sa.func.count()).select_from(events)).scalar_one()
-    return [tuple(r) for r in rows], int(count)
-
-
-def one_error_line(result: Result) -> str:
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.output
-    assert lines[0].startswith("error: ")
-    return lines[0]
+    return make_world(store)
 
 
 # -- ops list ----------------------------------------------------------------------------
@@ -216,6 +96,19 @@ def test_json_round_trips_what_the_table_shows(db_url: str, store: Store, world:
         assert line.lstrip().startswith("!") == record.needs_attention
     assert "50.00 JPY" not in table.stdout and "5,000 JPY" in table.stdout
     assert "19.99 EUR" in table.stdout and "eff_ok" in table.stdout
+
+
+def test_list_finds_an_operation_by_provider_reference_or_key(db_url: str, world: World) -> None:
+    ref = world.succeeded.provider_reference
+    assert ref is not None
+    assert ids(listed(db_url, "--reference", ref)) == {world.succeeded.id}
+    key = world.unknown.idempotency_key
+    assert ids(listed(db_url, "--key", key, "--tenant", world.unknown.tenant_id)) == {
+        world.unknown.id
+    }
+    assert listed(db_url, "--reference", "pi_nobody") == []
+    bad = run(db_url, "ops", "list", "--tenant", "bad tenant")
+    assert bad.exit_code == 1 and "tenant id" in bad.stderr
 
 
 # -- ops show ----------------------------------------------------------------------------
@@ -399,348 +292,3 @@ def test_recheck_refuses_a_live_lease(db_url: str, store: Store, world: World) -
     assert result.exit_code == 1
     assert "leased by" in one_error_line(result)
     assert snapshot(store) == before
-
-
-# -- stats, durations, databases ---------------------------------------------------------
-
-
-def test_stats(db_url: str, store: Store, world: World) -> None:
-    assert claim(store, "k-ok").id == world.succeeded.id  # two replays, counted on the row
-    assert claim(store, "k-ok").id == world.succeeded.id
-    store.append_event(world.failed, kind="key_reused", actor="executor", detail={})
-    result = run(db_url, "stats", "--json", "--window", "1h")
-    assert result.exit_code == 0, result.output
-    data = json.loads(result.stdout)
-    assert data["by_state"] == {
-        "in_progress": 2,
-        "outcome_unknown": 2,
-        "succeeded": 1,
-        "failed_final": 1,
-    }
-    assert data["needs_attention"] == 1
-    assert (data["replays"], data["replayed_operations"], data["conflicts"]) == (2, 1, 1)
-    assert data["by_provider"]["stripe"] == {"outcome_unknown": 1}
-    assert data["oldest_unknown_created_at"] == world.unknown.created_at.isoformat()
-    assert data["oldest_unknown_age_seconds"] >= 0
-    assert stats(store, window=timedelta(hours=1), tenant_id="shop-b").total == 2
-    table = run(db_url, "stats")
-    assert table.exit_code == 0
-    assert "1 operations replayed" in table.stdout and "replays in all: 2" in table.stdout
-    assert "needs attention: 1" in table.stdout
-
-
-@pytest.mark.parametrize(
-    ("text", "seconds"),
-    [("30s", 30), ("15m", 900), ("2h", 7200), ("1d", 86400), ("1h30m", 5400), ("0s", 0)],
-)
-def test_durations(text: str, seconds: int) -> None:
-    assert parse_duration(text) == timedelta(seconds=seconds)
-
-
-@pytest.mark.parametrize("text", ["", "15", "m", "15 minutes", "-5m", "1.5.2h", "5x"])
-def test_malformed_duration_is_a_usage_error(db_url: str, text: str) -> None:
-    result = run(db_url, "ops", "list", "--older-than", text)
-    assert result.exit_code == 2
-    assert "--older-than" in one_error_line(result)
-
-
-def test_unreachable_database_is_one_line(tmp_path: Path) -> None:
-    down = runner.invoke(
-        app, ["ops", "list", "--database-url", "postgresql+psycopg://postgres@127.0.0.1:1/x"]
-    )
-    assert down.exit_code == 1
-    assert "database unavailable" in one_error_line(down)
-    missing = runner.invoke(
-        app, ["ops", "list", "--database-url", f"sqlite:///{tmp_path / 'absent.db'}"]
-    )
-    assert missing.exit_code == 1
-    assert "no database at" in one_error_line(missing)
-    assert not (tmp_path / "absent.db").exists()
-
-
-# -- the reconciler from the command line ----------------------------------------------
-
-
-def test_reconcile_once_settles_what_is_due(db_url: str, store: Store, world: World) -> None:
-    result = run(db_url, "reconcile once --json")
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout) == {"picked": 1, "outcomes": {"abandoned": 1}, "released": 0}
-    # Nothing was sent: released (no outcome stored), the key's next request runs it again.
-    abandoned = store.get(world.abandoned.tenant_id, world.abandoned.id)
-    assert abandoned.released and abandoned.state is State.IN_PROGRESS
-    assert abandoned.lease_owner is None and abandoned.response is None
-    assert "nothing due" in run(db_url, "reconcile once").stdout
-
-
-# -- a real process ----------------------------------------------------------------------
-
-
-def payorch(db_url: str, command: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAYORCH_")}
-    return subprocess.run(
-        [str(PAYORCH), *shlex.split(command), "--database-url", db_url],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        check=False,
-    )
-
-
-def test_real_subprocess(db_url: str, world: World) -> None:
-    ok = payorch(db_url, "ops list --json --needs-attention")
-    assert ok.returncode == 0, ok.stderr
-    assert [i["id"] for i in json.loads(ok.stdout)["items"]] == [world.flagged.id]
-    bad = payorch(db_url, "ops list --older-than soon")
-    assert bad.returncode == 2
-    assert bad.stderr.count("\n") == 1 and bad.stderr.startswith("error: ")
-    refused = payorch(
-        db_url, f"ops resolve {world.succeeded.id} --as failed_final --reason r --actor a --yes"
-    )
-    assert refused.returncode == 1
-    assert refused.stderr.count("\n") == 1 and "terminal" in refused.stderr
-    assert "Traceback" not in bad.stderr + refused.stderr
-
-
-def test_reconcile_run_stops_on_sigterm(db_url: str, world: World) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAYORCH_")}
-    argv = [str(PAYORCH), "reconcile", "run", "--interval", "0.2", "--database-url", db_url]
-    argv += ["--metrics-addr", "127.0.0.1:0"]  # a free port: the default may be taken here
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
-    try:
-        assert proc.stderr is not None
-        assert "a pass every 0.2s" in proc.stderr.readline()
-        seen: list[str] = []
-        while len(seen) < 3 and not any("abandoned=1" in line for line in seen):
-            seen.append(proc.stderr.readline())  # the monitor's line, then the first pass
-        assert "abandoned=1" in seen[-1], seen  # the first pass settles it
-        proc.send_signal(signal.SIGTERM)
-        stdout, _ = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0
-    assert stdout.startswith("stopped after")
-
-
-def test_list_finds_an_operation_by_provider_reference_or_key(db_url: str, world: World) -> None:
-    ref = world.succeeded.provider_reference
-    assert ref is not None
-    assert ids(listed(db_url, "--reference", ref)) == {world.succeeded.id}
-    key = world.unknown.idempotency_key
-    assert ids(listed(db_url, "--key", key, "--tenant", world.unknown.tenant_id)) == {
-        world.unknown.id
-    }
-    assert listed(db_url, "--reference", "pi_nobody") == []
-    bad = run(db_url, "ops", "list", "--tenant", "bad tenant")
-    assert bad.exit_code == 1 and "tenant id" in bad.stderr
-
-
-# -- effects unexplained -----------------------------------------------------------------
-
-
-def _effects_executor(
-    store: Store, sandbox_provider: SandboxProvider, key_scope: str = ""
-) -> Executor:
-    return Executor(
-        store=store,
-        providers=[sandbox_provider],
-        registry=REGISTRY,
-        lease=timedelta(seconds=30),
-        sleep=lambda _seconds: None,
-        key_scope=key_scope,
-    )
-
-
-def _effects_pay(executor: Executor, key: str) -> Any:
-    return executor.execute(
-        tenant_id="shop-a",
-        operation="payment.create",
-        idempotency_key=key,
-        request={"amount": 2500, "currency": "EUR", "customer": "cus_3"},
-    )
-
-
-def _lost_charge(
-    store: Store, sandbox_provider: SandboxProvider, key: str, key_scope: str = ""
-) -> OperationRecord:
-    """A payment made at the sandbox whose claim a failover then lost (its rows deleted)."""
-    outcome = _effects_pay(_effects_executor(store, sandbox_provider, key_scope), key)
-    record = store.get("shop-a", outcome.operation_id)
-    with store.engine.begin() as conn:
-        conn.execute(sa.delete(events).where(events.c.operation_id == record.id))
-        conn.execute(sa.delete(operations).where(operations.c.id == record.id))
-    return record
-
-
-def test_effects_unexplained_lists_then_adopts_at_the_sandbox(
-    db_url: str, store: Store, sandbox: SandboxServer, sandbox_provider: SandboxProvider
-) -> None:
-    lost = _lost_charge(store, sandbox_provider, "k-lost-claim")
-    env = {"PAYORCH_SANDBOX_URL": sandbox.url}
-    args = ["effects", "unexplained", "--provider", "sandbox", "--since", "1h"]
-
-    listing = run(db_url, *args, "--json", env=env)
-    assert listing.exit_code == 0, listing.output
-    report = json.loads(listing.stdout)
-    assert report["counts"]["unexplained"] == 1 and report["counts"]["adopted"] == 0
-    (finding,) = report["findings"]
-    assert finding["adoptable"] and finding["effect"]["tags"]["payorch_idempotency_key"] == (
-        "k-lost-claim"
-    )
-    assert snapshot(store) == ([], 0)  # listing writes nothing
-
-    adopted = run(
-        db_url, *args, "--adopt", "--actor", "alice", "--reason", "failover", "--yes", env=env
-    )
-    assert adopted.exit_code == 0, adopted.output
-    assert "1 adopted" in adopted.stdout
-    record = store.get_by_namespace("shop-a", "payment.create", "k-lost-claim")
-    assert record.state is State.SUCCEEDED and record.needs_attention
-    assert record.downstream_key == lost.downstream_key
-    (event,) = store.events("shop-a", record.id)
-    assert (event.kind, event.actor) == ("adopted", "alice")
-    assert f"adopted as {record.id}" in adopted.stdout
-
-    again = run(db_url, *args, env=env)
-    assert again.exit_code == 0
-    assert "1 explained, 0 unexplained" in again.stdout
-    assert len(sandbox.effects_for(lost.downstream_key)) == 1
-
-
-def test_effects_unexplained_adopts_what_a_released_operation_says_was_never_sent(
-    db_url: str, store: Store, sandbox: SandboxServer, sandbox_provider: SandboxProvider
-) -> None:
-    lost = _lost_charge(store, sandbox_provider, "k-released")
-    # The client's retry re-creates the claim while the acquirer refuses every attempt.
-    sandbox.inject(Fault.RATE_LIMIT, times=RetryPolicy().max_attempts)
-    with pytest.raises(ProviderUnavailable) as caught:
-        _effects_pay(_effects_executor(store, sandbox_provider), "k-released")
-    held = store.get("shop-a", caught.value.operation_id or "")
-    assert held.released
-    env = {"PAYORCH_SANDBOX_URL": sandbox.url}
-    args = ["effects", "unexplained", "--provider", "sandbox", "--since", "1h"]
-
-    listing = run(db_url, *args, "--json", env=env)
-    assert listing.exit_code == 0, listing.output
-    (finding,) = json.loads(listing.stdout)["findings"]
-    assert finding["verdict"] == "unexplained" and finding["adoptable"]
-    assert finding["nothing_sent"] and finding["operation_id"] == held.id
-    table = run(db_url, *args, env=env)
-    assert f"unexplained (its operation says nothing was sent: {held.id}), adoptable" in (
-        table.stdout
-    )
-
-    adopted = run(db_url, *args, "--adopt", "--actor", "alice", "--reason", "r", "--yes", env=env)
-    assert adopted.exit_code == 0, adopted.output
-    assert f"adopted as {held.id}" in adopted.stdout and "1 adopted" in adopted.stdout
-    record = store.get("shop-a", held.id)
-    assert record.state is State.SUCCEEDED and record.needs_attention and record.possibly_sent
-    assert record.provider_reference is not None
-    assert store.events("shop-a", held.id)[-1].kind == "adopted"
-    retry = _effects_pay(_effects_executor(store, sandbox_provider), "k-released")
-    assert retry.replayed and retry.operation_id == held.id
-    assert len(sandbox.effects_for(lost.downstream_key)) == 1
-    assert len(sandbox.ledger()) == 1
-
-
-def test_effects_unexplained_reports_a_malformed_tag_and_adopts_the_rest(
-    db_url: str, store: Store, sandbox: SandboxServer, sandbox_provider: SandboxProvider
-) -> None:
-    _lost_charge(store, sandbox_provider, "k-good")
-    reply = httpx.post(
-        f"{sandbox.url}/v1/operations/payment.create",
-        json={
-            "amount": 100,
-            "currency": "EUR",
-            "metadata": {
-                "payorch_ref": namespace_ref("shop-a", "payment.create", '"k-bad'),
-                "payorch_tenant_id": "shop-a",
-                "payorch_operation": "payment.create",
-                "payorch_idempotency_key": '"k-bad',  # opens a quote: no key of the store's
-                "payorch_fingerprint": "ab" * 32,
-            },
-        },
-        headers={"Idempotency-Key": "payorch:bad:submit"},
-    )
-    assert reply.status_code == 200
-    env = {"PAYORCH_SANDBOX_URL": sandbox.url}
-    args = ["effects", "unexplained", "--provider", "sandbox", "--since", "1h"]
-
-    adopted = run(db_url, *args, "--adopt", "--actor", "a", "--reason", "r", "--yes", env=env)
-
-    assert adopted.exit_code == 0, adopted.output
-    assert "1 adopted" in adopted.stdout and "(1 not adoptable)" in adopted.stdout
-    assert "not adoptable: its tags are malformed" in adopted.stdout
-    record = store.get_by_namespace("shop-a", "payment.create", "k-good")
-    assert record.state is State.SUCCEEDED and record.needs_attention
-
-
-def test_effects_unexplained_skips_effects_of_another_key_scope(
-    db_url: str, store: Store, sandbox: SandboxServer, sandbox_provider: SandboxProvider
-) -> None:
-    mine = _lost_charge(store, sandbox_provider, "k-scoped", key_scope="eu-1")
-    theirs = _lost_charge(store, sandbox_provider, "k-scoped")  # an unscoped installation's
-    env = {"PAYORCH_SANDBOX_URL": sandbox.url, "PAYORCH_KEY_SCOPE": "eu-1"}
-    args = ["effects", "unexplained", "--provider", "sandbox", "--since", "1h"]
-
-    listing = run(db_url, *args, "--json", env=env)
-    assert listing.exit_code == 0, listing.output
-    report = json.loads(listing.stdout)
-    assert report["counts"]["not_ours"] == 1 and report["counts"]["other_scope"] == 1
-    (skipped,) = report["skipped"]
-    assert "made under no key scope" in skipped["reason"]
-    assert skipped["tags"]["payorch_ref"] == theirs.downstream_key.split(":")[1]
-    (finding,) = report["findings"]
-    assert finding["effect"]["tags"]["payorch_ref"] == mine.downstream_key.split(":")[1]
-
-    adopted = run(db_url, *args, "--adopt", "--actor", "a", "--reason", "r", "--yes", env=env)
-    assert adopted.exit_code == 0, adopted.output
-    assert "1 not payorch's (1 under another key scope)" in adopted.stdout
-    record = store.get_by_namespace("shop-a", "payment.create", "k-scoped")
-    assert record.downstream_key == mine.downstream_key and record.needs_attention
-    bad = run(db_url, *args, env={**env, "PAYORCH_KEY_SCOPE": "not ok"})
-    assert bad.exit_code == 1 and "PAYORCH_KEY_SCOPE" in one_error_line(bad)
-
-
-def test_effects_unexplained_adopt_asks_first_and_needs_an_audit_trail(
-    db_url: str, store: Store, sandbox: SandboxServer, sandbox_provider: SandboxProvider
-) -> None:
-    _lost_charge(store, sandbox_provider, "k-ask")
-    env = {"PAYORCH_SANDBOX_URL": sandbox.url}
-    args = ["effects", "unexplained", "--provider", "sandbox", "--since", "1h", "--adopt"]
-
-    no_actor = run(db_url, *args, "--reason", "r", env=env)
-    assert no_actor.exit_code == 2
-    assert "--adopt needs --actor and --reason" in one_error_line(no_actor)
-    declined = run(db_url, *args, "--actor", "a", "--reason", "r", input="n\n", env=env)
-    assert declined.exit_code == 1
-    assert "nothing adopted" in declined.stderr
-    assert snapshot(store) == ([], 0)
-    bad_since = run(db_url, "effects", "unexplained", "--provider", "sandbox", "--since", "soon")
-    assert bad_since.exit_code == 2 and "neither an ISO 8601 time" in one_error_line(bad_since)
-
-
-def test_effects_unexplained_on_a_provider_that_cannot_list_is_one_line(
-    db_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    class SubmitsOnly:  # an adapter of the embedding app's, without list_effects
-        name = "acquirer"
-
-    monkeypatch.setattr("payorch.cli._effects.build_providers", lambda _config: [SubmitsOnly()])
-    result = run(db_url, "effects unexplained --provider acquirer --since 2024-05-01T00:00Z")
-    assert result.exit_code == 1
-    assert "'acquirer' cannot list its effects" in one_error_line(result)
-    unknown = run(db_url, "effects unexplained --provider nope --since 24h")
-    assert unknown.exit_code == 1
-    assert "no provider named 'nope'" in one_error_line(unknown)
-
-
-def test_effects_unexplained_when_the_provider_is_down_is_one_line(db_url: str) -> None:
-    env = {"PAYORCH_SANDBOX_URL": "http://127.0.0.1:9"}
-    result = run(db_url, "effects unexplained --provider sandbox --since 1h", env=env)
-    assert result.exit_code == 1
-    assert "listing effects failed (ConnectError" in one_error_line(result)

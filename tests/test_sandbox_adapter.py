@@ -1,34 +1,26 @@
-"""SandboxProvider against the real sandbox on loopback, plus odd bodies via MockTransport."""
+"""SandboxProvider against the real sandbox on loopback: its contract, submits and status
+queries.
+
+Its webhooks are in test_sandbox_webhooks.py, odd answers through MockTransport in
+test_sandbox_answers.py; the requests they share in sandbox_helpers.py.
+"""
 
 from __future__ import annotations
 
 import json
 import socket
 import threading
-from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
+from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import httpx
 import pytest
-from standardwebhooks.webhooks import Webhook
+from sandbox_helpers import DK_1, query, request
 
-from payorch.core import downstream_key, namespace_ref
-from payorch.errors import (
-    ConfigurationError,
-    ProviderIdempotencyError,
-    WebhookMalformed,
-    WebhookSignatureInvalid,
-)
-from payorch.provider import (
-    RAW_EVIDENCE_LIMIT,
-    Answer,
-    AnswerKind,
-    Provider,
-    StatusQuery,
-    SubmitRequest,
-)
-from payorch.providers.sandbox import DEFAULT_TIMEOUT, Fault, SandboxProvider, SandboxServer
+from payorch.errors import ConfigurationError, ProviderIdempotencyError
+from payorch.provider import Answer, AnswerKind, Provider, SubmitRequest
+from payorch.providers.sandbox import Fault, SandboxProvider, SandboxServer
 
 SHORT_READ = httpx.Timeout(connect=2.0, read=0.3, write=2.0, pool=2.0)
 
@@ -43,46 +35,6 @@ def sandbox() -> Iterator[SandboxServer]:
 def provider(sandbox: SandboxServer) -> Iterator[SandboxProvider]:
     with SandboxProvider(base_url=sandbox.url, webhook_secret=sandbox.webhook_secret) as p:
         yield p
-
-
-def key_of(idempotency_key: str) -> str:
-    """The downstream key payorch sends for the client's key (from the namespace)."""
-    return downstream_key(namespace_ref("t_1", "payment.create", idempotency_key))
-
-
-DK_1 = key_of("order-1")
-
-
-def request(key: str = "order-1", operation_id: str = "op_1", **payload: Any) -> SubmitRequest:
-    """A request as the executor makes it for the client's ``key``."""
-    body: dict[str, Any] = {
-        "amount": 1250,
-        "currency": "EUR",
-        "customer": "cus_1",
-        "payment_method": "pm_card_visa",
-    }
-    body.update(payload)
-    return SubmitRequest(
-        tenant_id="t_1",
-        operation="payment.create",
-        operation_id=operation_id,
-        downstream_key=key_of(key),
-        payload=body,
-        idempotency_key=key,
-        fingerprint="f" * 64,
-    )
-
-
-def query(key: str = "order-1", reference: str | None = None) -> StatusQuery:
-    return StatusQuery(
-        tenant_id="t_1",
-        operation="payment.create",
-        operation_id="op_1",
-        downstream_key=key_of(key),
-        provider_reference=reference,
-        idempotency_key=key,
-        fingerprint="f" * 64,
-    )
 
 
 def closed_port() -> int:
@@ -378,281 +330,3 @@ def test_query_declined(provider: SandboxProvider) -> None:
     answer = provider.query_status(query())
     assert answer.kind is AnswerKind.DECLINED
     assert answer.code == "generic_decline"
-
-
-# -- webhooks ----------------------------------------------------------------------------
-
-
-def test_webhook_round_trip(sandbox: SandboxServer, provider: SandboxProvider) -> None:
-    sandbox.inject(Fault.PENDING)
-    submitted = provider.submit(request())
-    assert submitted.provider_reference is not None
-    sandbox.settle(submitted.provider_reference)
-    provider.submit(request("order-2", "op_2", payment_method="pm_card_declined"))
-    events = [provider.parse_webhook(d.headers, d.body) for d in sandbox.webhook_deliveries()]
-    assert [e.outcome for e in events] == [
-        AnswerKind.PENDING,
-        AnswerKind.SUCCEEDED,
-        AnswerKind.DECLINED,
-    ]
-    first = events[0]
-    assert first.event_type == "effect.processing"
-    assert first.provider_reference == submitted.provider_reference
-    assert first.downstream_key == DK_1
-    assert first.operation_id is None  # the operation id never crosses to the provider
-    assert first.event_id == sandbox.webhook_deliveries()[0].event_id
-    assert first.occurred_at is not None and first.occurred_at.tzinfo is not None
-    assert first.body["data"]["id"] == submitted.provider_reference
-    assert events[2].downstream_key == key_of("order-2") and events[2].operation_id is None
-    assert len({e.event_id for e in events}) == 3
-
-
-def test_webhook_header_names_are_case_insensitive(
-    sandbox: SandboxServer, provider: SandboxProvider
-) -> None:
-    provider.submit(request())
-    [delivery] = sandbox.webhook_deliveries()
-    shouted = {k.upper(): v for k, v in delivery.headers.items()}
-    assert provider.parse_webhook(shouted, delivery.body).outcome is AnswerKind.SUCCEEDED
-
-
-def sign(
-    secret: str,
-    body: bytes,
-    *,
-    event_id: str = "evt_test",
-    at: datetime | None = None,
-) -> dict[str, str]:
-    when = at or datetime.now(UTC)
-    return {
-        "webhook-id": event_id,
-        "webhook-timestamp": str(int(when.timestamp())),
-        "webhook-signature": Webhook(secret).sign(event_id, when, body.decode()),
-    }
-
-
-@pytest.mark.parametrize(
-    "tamper",
-    [
-        lambda h, b: (h, b.replace(b"succeeded", b"declined")),
-        lambda h, b: ({k: v for k, v in h.items() if k != "webhook-signature"}, b),
-        lambda h, b: ({**h, "webhook-signature": "v1,AAAA"}, b),
-        lambda h, b: ({**h, "webhook-signature": "garbage"}, b),
-        lambda h, b: ({**h, "webhook-id": "evt_other"}, b),
-        lambda h, b: ({**h, "webhook-timestamp": "not-a-number"}, b),
-        lambda h, b: (h, b"\xff" + b),
-    ],
-)
-def test_tampered_webhooks_are_rejected(
-    sandbox: SandboxServer,
-    provider: SandboxProvider,
-    tamper: Callable[[dict[str, str], bytes], tuple[dict[str, str], bytes]],
-) -> None:
-    provider.submit(request())
-    [delivery] = sandbox.webhook_deliveries()
-    headers, body = tamper(dict(delivery.headers), delivery.body)
-    with pytest.raises(WebhookSignatureInvalid):
-        provider.parse_webhook(headers, body)
-
-
-@pytest.mark.parametrize("age", [timedelta(minutes=10), -timedelta(minutes=10)])
-def test_stale_or_future_timestamp_is_rejected(
-    sandbox: SandboxServer, provider: SandboxProvider, age: timedelta
-) -> None:
-    provider.submit(request())
-    [delivery] = sandbox.webhook_deliveries()
-    headers = sign(sandbox.webhook_secret, delivery.body, at=datetime.now(UTC) - age)
-    with pytest.raises(WebhookSignatureInvalid):
-        provider.parse_webhook(headers, delivery.body)
-
-
-def test_another_secret_is_rejected(sandbox: SandboxServer) -> None:
-    with (
-        SandboxServer() as other,
-        SandboxProvider(base_url=sandbox.url, webhook_secret=other.webhook_secret) as provider,
-    ):
-        provider.submit(request())
-        [delivery] = sandbox.webhook_deliveries()
-        with pytest.raises(WebhookSignatureInvalid):
-            provider.parse_webhook(delivery.headers, delivery.body)
-
-
-@pytest.mark.parametrize(
-    "body",
-    [
-        b"not json",
-        b"[1, 2]",
-        b'{"id": "evt_1"}',
-        b'{"type": "effect.succeeded", "data": "nope"}',
-        b'{"type": "effect.declined", "data": {"status": "declined"}}',
-    ],
-)
-def test_signed_but_malformed(
-    sandbox: SandboxServer, provider: SandboxProvider, body: bytes
-) -> None:
-    with pytest.raises(WebhookMalformed):
-        provider.parse_webhook(sign(sandbox.webhook_secret, body), body)
-
-
-def test_other_event_types_have_no_outcome(
-    sandbox: SandboxServer, provider: SandboxProvider
-) -> None:
-    body = json.dumps({"id": "evt_9", "type": "account.updated", "created": 1, "data": {}})
-    event = provider.parse_webhook(sign(sandbox.webhook_secret, body.encode()), body.encode())
-    assert event.outcome is None
-    assert event.event_type == "account.updated"
-    assert event.event_id == "evt_test"  # the signed webhook-id header wins
-    assert event.occurred_at == datetime.fromtimestamp(1, tz=UTC)
-
-
-def test_parse_webhook_needs_a_secret(sandbox: SandboxServer) -> None:
-    with SandboxProvider(base_url=sandbox.url) as provider, pytest.raises(ConfigurationError):
-        provider.parse_webhook({}, b"{}")
-
-
-# -- odd answers through MockTransport ---------------------------------------------------
-
-
-def mocked(handler: Callable[[httpx.Request], httpx.Response]) -> SandboxProvider:
-    return SandboxProvider(base_url="http://sandbox.test", transport=httpx.MockTransport(handler))
-
-
-def answer_for(response: httpx.Response, *, as_query: bool = False) -> Answer:
-    with mocked(lambda r: response) as provider:
-        return provider.query_status(query()) if as_query else provider.submit(request())
-
-
-def test_the_request_is_what_the_server_expects() -> None:
-    seen: list[httpx.Request] = []
-
-    def handler(r: httpx.Request) -> httpx.Response:
-        seen.append(r)
-        return httpx.Response(200, json={"id": "sbx_1", "status": "succeeded"})
-
-    with mocked(handler) as provider:
-        provider.submit(request())
-        provider.query_status(query())
-        provider.query_status(query(reference="sbx/1"))
-    post, by_key, by_ref = seen
-    assert post.method == "POST"
-    assert post.url == "http://sandbox.test/v1/operations/payment.create"
-    assert post.headers["idempotency-key"] == DK_1
-    assert json.loads(post.content)["metadata"] == request().tags
-    assert set(request().tags) == {
-        "payorch_ref",
-        "payorch_tenant_id",
-        "payorch_operation",
-        "payorch_idempotency_key",
-        "payorch_fingerprint",
-    }
-    assert by_key.url.path == "/v1/effects"
-    assert dict(by_key.url.params) == {"idempotency_key": DK_1}
-    assert by_ref.url.raw_path == b"/v1/effects/sbx%2F1"
-    assert post.extensions["timeout"] == DEFAULT_TIMEOUT.as_dict()
-
-
-@pytest.mark.parametrize(
-    "body", [b"<html>oops</html>", b"", b'{"status": "succeeded"}', b'["id"]', b"x" * 10_000]
-)
-def test_200_without_an_effect_is_ambiguous(body: bytes) -> None:
-    answer = answer_for(httpx.Response(200, content=body))
-    assert answer.kind is AnswerKind.AMBIGUOUS
-    assert answer.status_code == 200
-    assert answer.code == "unexpected_body"
-    if answer.body is None:
-        assert answer.raw is not None and len(answer.raw) <= RAW_EVIDENCE_LIMIT
-
-
-def test_200_with_an_unknown_status_is_ambiguous() -> None:
-    answer = answer_for(httpx.Response(200, json={"id": "sbx_1", "status": "reversed"}))
-    assert answer.kind is AnswerKind.AMBIGUOUS
-    assert answer.provider_reference == "sbx_1"
-
-
-@pytest.mark.parametrize("status", [500, 502, 503, 504])
-def test_5xx_is_ambiguous_with_raw_evidence(status: int) -> None:
-    for as_query in (False, True):
-        answer = answer_for(httpx.Response(status, text="<h1>Bad Gateway</h1>"), as_query=as_query)
-        assert answer.kind is AnswerKind.AMBIGUOUS
-        assert answer.status_code == status
-        assert answer.raw == "<h1>Bad Gateway</h1>"
-
-
-def test_429_on_query_is_not_sent() -> None:
-    answer = answer_for(httpx.Response(429, headers={"Retry-After": "4"}), as_query=True)
-    assert answer.kind is AnswerKind.NOT_SENT
-    assert answer.retry_after == 4.0
-
-
-@pytest.mark.parametrize(
-    ("status", "body", "code"),
-    [
-        (400, {"error": {"type": "invalid_request_error", "code": "amount_too_small"}}, None),
-    ],
-)
-def test_a_4xx_the_acquirer_explains_is_declined(status: int, body: Any, code: str | None) -> None:
-    answer = answer_for(httpx.Response(status, content=json.dumps(body).encode()))
-    assert answer.kind is AnswerKind.DECLINED
-    assert answer.status_code == status
-    assert answer.code == (code or body["error"]["code"])
-
-
-def test_a_401_is_a_configuration_fault_never_a_decline() -> None:
-    body = {"error": {"type": "authentication_error", "code": "bad_key"}}
-    answer = answer_for(httpx.Response(401, content=json.dumps(body).encode()))
-    assert (answer.kind, answer.code) == (AnswerKind.NOT_SENT, "provider_auth_failed")
-
-
-@pytest.mark.parametrize(
-    ("status", "body"),
-    [
-        (404, b"not found"),
-        (408, b""),
-        (409, json.dumps({"error": {"type": "idempotency_error", "code": "other"}}).encode()),
-        (499, b"<html>proxy</html>"),
-    ],
-)
-def test_a_4xx_without_the_acquirers_reason_is_ambiguous(status: int, body: bytes) -> None:
-    # Possibly from a proxy in front of the acquirer, after it committed: never final.
-    answer = answer_for(httpx.Response(status, content=body))
-    assert answer.kind is AnswerKind.AMBIGUOUS
-    assert answer.status_code == status
-
-
-def test_odd_query_answers_are_ambiguous() -> None:
-    assert answer_for(httpx.Response(400, json={}), as_query=True).kind is AnswerKind.AMBIGUOUS
-    assert answer_for(httpx.Response(200, json={"x": 1}), as_query=True).kind is (
-        AnswerKind.AMBIGUOUS
-    )
-    assert answer_for(httpx.Response(200, text="nope"), as_query=True).kind is (
-        AnswerKind.AMBIGUOUS
-    )
-    # 404 by key (no such route) is not "the provider knows nothing".
-    assert answer_for(httpx.Response(404), as_query=True).kind is AnswerKind.AMBIGUOUS
-
-
-def test_a_redirect_is_ambiguous() -> None:
-    answer = answer_for(httpx.Response(302, headers={"Location": "/elsewhere"}))
-    assert answer.kind is AnswerKind.AMBIGUOUS
-    assert answer.code == "http_302"
-
-
-@pytest.mark.parametrize(
-    ("exc", "kind"),
-    [
-        (httpx.ConnectError("refused"), AnswerKind.NOT_SENT),
-        (httpx.ConnectTimeout("slow"), AnswerKind.NOT_SENT),
-        (httpx.PoolTimeout("busy"), AnswerKind.NOT_SENT),
-        (httpx.ReadTimeout("slow"), AnswerKind.AMBIGUOUS),
-        (httpx.WriteTimeout("slow"), AnswerKind.AMBIGUOUS),
-        (httpx.RemoteProtocolError("eof"), AnswerKind.AMBIGUOUS),
-        (httpx.ReadError("reset"), AnswerKind.AMBIGUOUS),
-    ],
-)
-def test_transport_errors_never_escape(exc: httpx.HTTPError, kind: AnswerKind) -> None:
-    def handler(r: httpx.Request) -> httpx.Response:
-        raise exc
-
-    with mocked(handler) as provider:
-        assert provider.submit(request()).kind is kind
-        assert provider.query_status(query()).kind is kind

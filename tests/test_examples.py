@@ -1,0 +1,38 @@
+"""The README's embedding example runs as written (examples/embed.py), twice: the second run
+(the same key, the same database) replays the first outcome and stores no second operation.
+The FastAPI and Django examples are served and driven by tests/test_fastapi.py and
+tests/test_django.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import sqlalchemy as sa
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "embed.py"
+
+
+def _run(cwd: Path) -> str:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE)], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_the_embedding_example_pays_once_and_replays(tmp_path: Path) -> None:
+    first = _run(tmp_path)
+    assert first.startswith("200 ") and "'state': 'succeeded'" in first
+    second = _run(tmp_path)  # the same key against the same database: the first outcome
+    assert second.startswith("200 ") and "'state': 'succeeded'" in second
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'payments.db'}")
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text("SELECT id, state FROM payorch_operations")).all()
+    finally:
+        engine.dispose()
+    assert [state for _, state in rows] == ["succeeded"]
+    (operation_id,) = (op for op, _ in rows)
+    assert operation_id in first and operation_id in second

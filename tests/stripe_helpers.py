@@ -1,14 +1,22 @@
-"""Stripe-shaped bodies, requests and status queries shared by the Stripe adapter's tests.
+"""Stripe-shaped bodies, requests and status queries shared by the Stripe adapter's tests,
+and their fixtures (a pytest plugin, registered in conftest.py): ``router``, the respx router
+a test answers through, and ``stripe``, a :class:`StripeProvider` over it.
 
 The bodies follow Stripe's documented replies; the tests serve them through respx.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
+
+import httpx
+import pytest
+import respx
 
 from payorch.core import downstream_key, namespace_ref
 from payorch.provider import StatusQuery, SubmitRequest
+from payorch.providers.stripe import StripeProvider
 
 BASE = "https://api.stripe.test"
 API_KEY = "sk_test_4eC39HqLyjWDarjtT1zdp7dc"
@@ -22,6 +30,25 @@ NS_KEY = downstream_key(namespace_ref(TENANT, "payment.create", "order-17"))
 NS_REF = NS_KEY.split(":")[1]
 PI_ID = "pi_3MtwBwLkdIwHu7ix28a3tqPa"
 RE_ID = "re_1Nispe2eZvKYlo2Cd31jOCgZ"
+
+
+# -- fixtures (a test module may define its own of either name) ----------------------------------
+
+
+@pytest.fixture
+def router() -> respx.Router:
+    return respx.Router(base_url=BASE, assert_all_called=False)
+
+
+@pytest.fixture
+def stripe(router: respx.Router) -> Iterator[StripeProvider]:
+    with StripeProvider(
+        api_key=API_KEY,
+        webhook_secret=SECRET,
+        base_url=BASE,
+        transport=httpx.MockTransport(router.handler),
+    ) as provider:
+        yield provider
 
 
 # -- Stripe-shaped bodies ----------------------------------------------------------------------

@@ -8,7 +8,6 @@ they share in stripe_helpers.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs
@@ -25,7 +24,6 @@ from stripe_helpers import (
     OP_ID,
     PI_ID,
     RE_ID,
-    SECRET,
     TENANT,
     create_request,
     payment_intent,
@@ -46,25 +44,6 @@ from payorch.providers.stripe import (
 
 def form_of(request: httpx.Request) -> dict[str, str]:
     return {k: v[0] for k, v in parse_qs(request.content.decode(), strict_parsing=True).items()}
-
-
-# -- fixtures ------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def router() -> respx.Router:
-    return respx.Router(base_url=BASE, assert_all_called=False)
-
-
-@pytest.fixture
-def stripe(router: respx.Router) -> Iterator[StripeProvider]:
-    with StripeProvider(
-        api_key=API_KEY,
-        webhook_secret=SECRET,
-        base_url=BASE,
-        transport=httpx.MockTransport(router.handler),
-    ) as provider:
-        yield provider
 
 
 # -- construction ----------------------------------------------------------------------------

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 import respx
 from stripe_helpers import (
-    API_KEY,
-    BASE,
     KEY,
     OP_ID,
     PI_ID,
     RE_ID,
-    SECRET,
     TENANT,
     create_request,
     payment_intent,
@@ -38,25 +34,6 @@ CARD_DECLINED = stripe_error(
         last_payment_error={"code": "card_declined", "decline_code": "insufficient_funds"},
     ),
 )
-
-
-# -- fixtures ------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def router() -> respx.Router:
-    return respx.Router(base_url=BASE, assert_all_called=False)
-
-
-@pytest.fixture
-def stripe(router: respx.Router) -> Iterator[StripeProvider]:
-    with StripeProvider(
-        api_key=API_KEY,
-        webhook_secret=SECRET,
-        base_url=BASE,
-        transport=httpx.MockTransport(router.handler),
-    ) as provider:
-        yield provider
 
 
 # -- classification of submit replies --------------------------------------------------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -10,14 +9,12 @@ import pytest
 import respx
 from stripe_helpers import (
     API_KEY,
-    BASE,
     KEY,
     NS_KEY,
     NS_REF,
     OP_ID,
     PI_ID,
     RE_ID,
-    SECRET,
     TENANT,
     payment_intent,
     query,
@@ -29,25 +26,6 @@ from stripe_helpers import (
 from payorch.errors import ConfigurationError
 from payorch.provider import AnswerKind, StatusQuery
 from payorch.providers.stripe import StripeProvider
-
-# -- fixtures ------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def router() -> respx.Router:
-    return respx.Router(base_url=BASE, assert_all_called=False)
-
-
-@pytest.fixture
-def stripe(router: respx.Router) -> Iterator[StripeProvider]:
-    with StripeProvider(
-        api_key=API_KEY,
-        webhook_secret=SECRET,
-        base_url=BASE,
-        transport=httpx.MockTransport(router.handler),
-    ) as provider:
-        yield provider
-
 
 # -- status queries ----------------------------------------------------------------------------
 

@@ -6,37 +6,17 @@ import hashlib
 import hmac
 import json
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 import pytest
 import respx
-from stripe_helpers import API_KEY, BASE, KEY, OP_ID, PI_ID, RE_ID, SECRET, payment_intent, refund
+from stripe_helpers import API_KEY, KEY, OP_ID, PI_ID, RE_ID, SECRET, payment_intent, refund
 
 from payorch.errors import ConfigurationError, WebhookMalformed, WebhookSignatureInvalid
 from payorch.provider import AnswerKind
 from payorch.providers.stripe import SIGNATURE_HEADER, StripeProvider
-
-# -- fixtures ------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def router() -> respx.Router:
-    return respx.Router(base_url=BASE, assert_all_called=False)
-
-
-@pytest.fixture
-def stripe(router: respx.Router) -> Iterator[StripeProvider]:
-    with StripeProvider(
-        api_key=API_KEY,
-        webhook_secret=SECRET,
-        base_url=BASE,
-        transport=httpx.MockTransport(router.handler),
-    ) as provider:
-        yield provider
-
 
 # -- webhooks ----------------------------------------------------------------------------------
 

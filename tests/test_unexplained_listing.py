@@ -22,11 +22,8 @@ from payorch.providers.stripe import _listing as stripe_listing
 from payorch.reconciling._unexplained import scan
 from payorch.storage._store import Store
 
-
-@pytest.fixture(autouse=True)
-def _no_key_scope(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The installation's key scope is the environment's: none unless a test sets one."""
-    monkeypatch.delenv("PAYORCH_KEY_SCOPE", raising=False)
+# The installation's key scope is the environment's: none unless a test sets one.
+pytestmark = pytest.mark.usefixtures("no_key_scope")
 
 
 # -- the sandbox's listing -----------------------------------------------------------------

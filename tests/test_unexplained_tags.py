@@ -41,11 +41,8 @@ from payorch.reconciling._watch import UnexplainedWatch
 from payorch.storage._store import Store
 from payorch.storage._tables import operations
 
-
-@pytest.fixture(autouse=True)
-def _no_key_scope(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The installation's key scope is the environment's: none unless a test sets one."""
-    monkeypatch.delenv("PAYORCH_KEY_SCOPE", raising=False)
+# The installation's key scope is the environment's: none unless a test sets one.
+pytestmark = pytest.mark.usefixtures("no_key_scope")
 
 
 # -- an installation's key scope -----------------------------------------------------------

@@ -1,5 +1,6 @@
 """Payments made at the sandbox and claims lost as a failover loses them, shared by the
-tests of effects no operation explains."""
+tests of effects no operation explains, and their ``no_key_scope`` fixture (a pytest plugin,
+registered in conftest.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
+import pytest
 import sqlalchemy as sa
 
 from payorch.execution._executor import Executor
@@ -22,6 +24,12 @@ from payorch.storage._tables import events, operations
 REGISTRY = default_registry("sandbox")
 PAYMENT = {"amount": 4200, "currency": "EUR", "customer": "cus_7", "payment_method": "pm_visa"}
 TENANT = "shop-a"
+
+
+@pytest.fixture
+def no_key_scope(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The installation's key scope is the environment's: none unless a test sets one."""
+    monkeypatch.delenv("PAYORCH_KEY_SCOPE", raising=False)
 
 
 def make_executor(

@@ -12,10 +12,9 @@ from datetime import timedelta
 
 import bench_execute as bx
 
+from payorch import AsyncExecutor, AsyncStore
 from payorch.core import State
-from payorch.execution._async import AsyncExecutor
 from payorch.operations import default_registry
-from payorch.storage._async_store import AsyncStore
 
 __all__ = ["AsyncBench"]
 

@@ -20,7 +20,7 @@ from psycopg import sql
 from sqlalchemy.engine import make_url
 
 from payorch import migrate
-from payorch.storage._engine import normalise_url
+from payorch.storage._pooling import normalise_url
 
 REPO = Path(__file__).resolve().parent.parent
 ENV_URL = "PAYORCH_BENCH_DATABASE_URL"

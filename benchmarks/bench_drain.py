@@ -30,10 +30,9 @@ import httpx
 import sqlalchemy as sa
 from rich.console import Console
 
-from payorch.execution._executor import Executor
+from payorch import Executor, Store
 from payorch.operations import default_registry
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
-from payorch.storage._store import Store
 from payorch.storage._tables import events, operations
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_bench"}
@@ -109,10 +108,10 @@ def _daemon(  # noqa: PLR0917 - a spawned process's target takes positional argu
     draining when ``go`` is set: the clock measures draining, not Python's start-up."""
     import logging
 
-    from payorch.reconciling._daemon import ReconcilerDaemon
+    from payorch import ReconcilerDaemon
 
     logging.getLogger("apscheduler").setLevel(logging.ERROR)  # draining skips interval ticks
-    from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
+    from payorch import Reconciler, ReconcilerPolicy
 
     store = Store.from_url(url, pool_size=concurrency + 2)  # a check holds one connection
     try:

@@ -20,9 +20,9 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Json
 
+from payorch import Executor
 from payorch.core import State
 from payorch.errors import WebhookSignatureInvalid
-from payorch.execution._executor import Executor
 from payorch.provider import Answer, AnswerKind, StatusQuery, SubmitRequest, WebhookEvent
 from payorch.storage._store import new_id
 

@@ -14,8 +14,8 @@ import bench_execute as bx
 from figures import Options, Report, lat, ops, ratio_range, table
 from rich.console import Console
 
+from payorch import Executor
 from payorch.core import State
-from payorch.execution._executor import Executor
 from payorch.observing import _metrics as metrics
 from payorch.provider import AnswerKind
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import psycopg
 
-from payorch.storage._store import Store
+from payorch import Store
 
 ACTIVE_INDEX = "ix_payorch_operations_active"
 OWNER = "bench-reconciler"

@@ -20,11 +20,11 @@ import bench_execute as bx
 from rich.console import Console
 from rich.table import Table
 
+from payorch import Executor, Store
 from payorch.core import State
-from payorch.execution._executor import Executor
 from payorch.operations import default_registry
 from payorch.provider import Answer, SubmitRequest
-from payorch.storage._store import Store, new_id
+from payorch.storage._store import new_id
 
 __all__ = ["StormResult", "print_storm", "run_storm"]
 

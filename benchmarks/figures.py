@@ -1,6 +1,6 @@
 """The benchmark run's figures (:class:`Report`), its options, and the cells every section
 prints them with. The sections (report.py, bench_metrics.py, bench_tracing.py, …) import this
-module; it imports none of them."""
+module; it imports none of them (only the result types of bench_execute and bench_scan)."""
 
 from __future__ import annotations
 

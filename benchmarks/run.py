@@ -42,10 +42,8 @@ from bench_async import AsyncBench
 from figures import Options, Report
 from report import print_report
 
-from payorch import migrate
-from payorch.execution._executor import Executor
+from payorch import Executor, Store, migrate
 from payorch.operations import default_registry
-from payorch.storage._store import Store
 
 TENANT = "bench-shop"
 DEFAULT_SIZES = "10000,100000,300000"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from .observing._metrics import (
     AVAILABLE,
+    GaugeSource,
     StoreGauges,
     enabled,
     exposition,
@@ -23,6 +24,7 @@ from .observing._metrics import (
 
 __all__ = [
     "AVAILABLE",
+    "GaugeSource",
     "StoreGauges",
     "enabled",
     "exposition",

@@ -1,11 +1,26 @@
-"""What an operator does to a stuck operation, from code (the CLI's ``payorch ops`` runs the
-same functions): recheck it at the provider, resolve it with evidence, or acknowledge an
-unexplained effect; each writes an audit event. The public face of
+"""What an operator does to one operation, from code (``payorch ops`` runs the same
+functions): recheck it at the provider, resolve it with evidence, or acknowledge a terminal
+operation flagged for attention. A resolution and an acknowledgement each write one audit
+event, of type :data:`RESOLUTION_EVENT` or :data:`ACKNOWLEDGED_EVENT`. The public face of
 :mod:`payorch.reconciling._operator`.
 """
 
 from __future__ import annotations
 
-from .reconciling._operator import RecheckResult, acknowledge, recheck, resolve
+from .reconciling._operator import (
+    ACKNOWLEDGED_EVENT,
+    RESOLUTION_EVENT,
+    RecheckResult,
+    acknowledge,
+    recheck,
+    resolve,
+)
 
-__all__ = ["RecheckResult", "acknowledge", "recheck", "resolve"]
+__all__ = [
+    "ACKNOWLEDGED_EVENT",
+    "RESOLUTION_EVENT",
+    "RecheckResult",
+    "acknowledge",
+    "recheck",
+    "resolve",
+]

@@ -8,6 +8,7 @@ the store recorded. The scrape-time gauges must match ``payorch stats --json``, 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import socket
@@ -536,3 +537,25 @@ def test_the_async_executor_counts_once_per_call(db_url: str, loop_thread: Any) 
     before = counts()
     loop_thread.run(twice())
     assert [a - b for a, b in zip(counts(), before, strict=True)] == [1, 1, 1]
+
+
+def test_watch_takes_a_sync_store_and_refuses_an_async_one(db_url: str) -> None:
+    from payorch import AsyncStore, Store
+    from payorch import metrics as public
+
+    store, async_store = Store.from_url(db_url), AsyncStore.from_url(db_url)
+    before = public.registry.get_sample_value("payorch_database_up")
+    try:
+        assert before is None or before in (0.0, 1.0)
+        with pytest.raises(ConfigurationError, match="needs a Store, not AsyncStore"):
+            public.watch(async_store)
+        # Refused before anything was registered: the earlier gauges (if any) still stand.
+        assert public.registry.get_sample_value("payorch_database_up") == before
+        assert public.watch(store) is not None
+        assert public.registry.get_sample_value("payorch_database_up") == 1.0
+    finally:
+        for gauges in list(metrics._watched):
+            public.registry.unregister(gauges)
+        metrics._watched.clear()
+        store.close()
+        asyncio.run(async_store.close())

@@ -1,5 +1,6 @@
-"""The async API's executor, :class:`AsyncExecutor`, and the bridge every async driver uses
-(the reconciler's and the webhook handler's are in :mod:`payorch.reconciling._async`).
+"""The async API's executor, :class:`AsyncExecutor`, and :func:`bridged_providers`, the sync
+face of async adapters that every async driver hands its sync twin (the reconciler's and the
+webhook handler's drivers are in :mod:`payorch.reconciling._async`).
 
 Each is a thin driver around its sync twin. The sync flow (claim, submit, classify, record,
 the inline retries, the late-answer fencing, the webhook inbox) runs unchanged under

@@ -31,7 +31,7 @@ except ImportError:  # without the extra every metric is a no-op
     Collector = object  # type: ignore[assignment,misc]  # only a base class below
 
 from ..core import State
-from ..errors import PayorchError, WebhookRejected
+from ..errors import ConfigurationError, PayorchError, WebhookRejected
 from ..provider import AnswerKind
 from ._bounded import OneAtATime
 
@@ -401,7 +401,16 @@ _watched: list[StoreGauges] = []
 
 
 def watch(store: GaugeSource, *, timeout: float = 5.0) -> StoreGauges | None:
-    """Export the state gauges of ``store`` in :data:`registry` (replaces an earlier one)."""
+    """Export the state gauges of ``store`` in :data:`registry` (replaces an earlier one).
+
+    A sync :class:`~payorch.Store` (the daemon's, or one made for the scrape from the same
+    URL): an ``AsyncStore`` reads only inside its event loop, which a scrape is not.
+    """
+    if not callable(getattr(store, "read_gauges", None)):
+        raise ConfigurationError(
+            f"metrics.watch() needs a Store, not {type(store).__name__}: scrape the state "
+            "gauges from a sync Store on the same database (Store.from_url(url))"
+        )
     if registry is None:
         return None
     for old in _watched:

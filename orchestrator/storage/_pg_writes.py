@@ -1,4 +1,4 @@
-"""PostgreSQL's hot writes, one statement and one round trip each (see ``statements.py``).
+"""PostgreSQL's hot writes, one statement and one round trip each (see ``_statements.py``).
 
 The store decides what to write and what an answer means; this module fills the parameters
 of the SQL-text statements, runs each in autocommit (:func:`~payorch.storage._engine.run_sql`) and

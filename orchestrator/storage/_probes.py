@@ -17,7 +17,7 @@ from ._engine import read_in_transaction
 from ._replication import MODES, Guard, Status
 from ._tables import db_now, is_active, is_flagged, operations
 
-__all__ = ["Probed", "ping", "read_gauges", "replication"]
+__all__ = ["Probed", "read_gauges", "replication"]
 
 
 class Probed(Protocol):
@@ -88,9 +88,3 @@ def replication(store: Probed) -> Status:
         return store.replication.status()
     except DatabaseReadOnly:
         return Status(mode="read_only")
-
-
-def ping(store: Probed) -> bool:
-    """One round trip: the database answers."""
-    read_in_transaction(store.engine, lambda conn: conn.execute(sa.select(db_now())).scalar_one())
-    return True

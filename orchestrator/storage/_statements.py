@@ -1,7 +1,7 @@
 """The store's hot statements, built once with bind parameters.
 
 SQLAlchemy then skips statement construction, coercion and cache-key work on every call;
-each statement is still one round trip, fenced exactly as ``store.py`` describes.
+each statement is still one round trip, fenced exactly as ``_store.py`` describes.
 
 On PostgreSQL the executor's writes are single data-modifying statements, written here as
 SQL text (``PG_CLAIM``, ``PG_REREAD``, :func:`pg_transition_sql`) and run in autocommit

@@ -7,7 +7,7 @@ Every write is one statement guarded by a constraint or a version:
   transaction; a lost compare-and-set raises :class:`StaleVersion` and changes nothing.
 
 On PostgreSQL the claim and the plain transitions are each one data-modifying statement run
-in autocommit (``statements.PG_CLAIM``, ``pg_transition_sql``): one round trip apiece.
+in autocommit (``_statements.PG_CLAIM``, ``pg_transition_sql``): one round trip apiece.
 
 Times are the database's (``db_now``), so hosts with skewed clocks agree on leases.
 """

@@ -13,7 +13,7 @@ Every POST carries ``Idempotency-Key: <downstream key>``, identical on every att
 
 One ``submit`` or ``query_status`` runs under one total deadline (``max_call_duration``),
 shared by every HTTP request it makes (a search and its reads, pages of refunds). What
-each call does is a flow (:mod:`.flows`) that a sync and an async driver run alike.
+each call does is a flow (:mod:`._flows`) that a sync and an async driver run alike.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ class StripeProvider:
 
     def list_effects(self, since: datetime, until: datetime) -> Iterator[ProviderEffect]:
         """PaymentIntents and Refunds created in ``[since, until]`` that carry payorch's
-        metadata (:mod:`.listing`): an :class:`payorch.provider.EffectLister`. Each page is
+        metadata (:mod:`._listing`): an :class:`payorch.provider.EffectLister`. Each page is
         one call under its own deadline; failures raise ``ProviderListingFailed``."""
         return list_effects(lambda call: self._call(call, self._deadline()), since, until)
 

@@ -3,7 +3,7 @@
 PaymentIntents (payment.create) and Refunds (refund.create) are listed with Stripe's list
 API (``created[gte]``, ``created[lte]``, ``limit``, ``starting_after``, ``has_more``), and
 only the objects carrying payorch's metadata are kept. Each object is classified by the same
-functions as a status query (:mod:`.classify`), so a listed effect reads as its status query
+functions as a status query (:mod:`._classify`), so a listed effect reads as its status query
 would. No I/O here: ``send`` makes one call.
 
 The window is listed in slices, each at most ``MAX_LIST_PAGES`` pages: a slice that has

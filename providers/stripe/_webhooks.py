@@ -9,7 +9,7 @@ Events are mapped to the operation they concern: by ``request.idempotency_key`` 
 our downstream keys caused the event (a capture's ``payment_intent.succeeded`` concerns the
 capture), else by the provider reference (or, for objects made before keys came from the
 namespace, the ``payorch_operation_id`` metadata). Their outcome is read with
-the functions the status query uses (:mod:`.classify`), so both paths agree: a decline carries
+the functions the status query uses (:mod:`._classify`), so both paths agree: a decline carries
 the same code, and a ``payment_intent.canceled`` that releases a manual-capture authorisation
 is what became of a successful ``payment.create`` (lifecycle evidence), not its decline.
 """

@@ -355,3 +355,13 @@ def test_the_graph_reader_sees_every_kind_of_import() -> None:
     # `from .. import x` and `from . import _x as x`.
     assert "payorch.migrate" in runtime["payorch.cli._demo"]
     assert "payorch.storage._probes" in runtime["payorch.storage._store"]
+
+
+def test_every_package_ships_in_the_wheel() -> None:
+    # setuptools lists the packages by name: a wing missing from the list would be absent
+    # from the wheel, and only an installed user would find out.
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {name for name, module in MODULES.items() if module.is_package}
+    assert packages <= set(config["packages"])

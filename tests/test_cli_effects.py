@@ -3,57 +3,30 @@
 from __future__ import annotations
 
 import json
-from datetime import timedelta
-from typing import Any
 
 import httpx
 import pytest
-import sqlalchemy as sa
-from cli_helpers import REGISTRY, one_error_line, run, snapshot
+from cli_helpers import one_error_line, run, snapshot
+from unexplained_helpers import lose, make_executor, pay
 
 from payorch.core import State, namespace_ref
 from payorch.errors import ProviderUnavailable
-from payorch.execution._executor import Executor, RetryPolicy
+from payorch.execution._executor import RetryPolicy
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.providers.sandbox._faults import Fault
 from payorch.records import OperationRecord
 from payorch.storage._store import Store
-from payorch.storage._tables import events, operations
 
 # -- effects unexplained -----------------------------------------------------------------
-
-
-def _effects_executor(
-    store: Store, sandbox_provider: SandboxProvider, key_scope: str = ""
-) -> Executor:
-    return Executor(
-        store=store,
-        providers=[sandbox_provider],
-        registry=REGISTRY,
-        lease=timedelta(seconds=30),
-        sleep=lambda _seconds: None,
-        key_scope=key_scope,
-    )
-
-
-def _effects_pay(executor: Executor, key: str) -> Any:
-    return executor.execute(
-        tenant_id="shop-a",
-        operation="payment.create",
-        idempotency_key=key,
-        request={"amount": 2500, "currency": "EUR", "customer": "cus_3"},
-    )
 
 
 def _lost_charge(
     store: Store, sandbox_provider: SandboxProvider, key: str, key_scope: str = ""
 ) -> OperationRecord:
     """A payment made at the sandbox whose claim a failover then lost (its rows deleted)."""
-    outcome = _effects_pay(_effects_executor(store, sandbox_provider, key_scope), key)
+    outcome = pay(make_executor(store, sandbox_provider, key_scope=key_scope), key)
     record = store.get("shop-a", outcome.operation_id)
-    with store.engine.begin() as conn:
-        conn.execute(sa.delete(events).where(events.c.operation_id == record.id))
-        conn.execute(sa.delete(operations).where(operations.c.id == record.id))
+    lose(store, record.id)
     return record
 
 
@@ -99,7 +72,7 @@ def test_effects_unexplained_adopts_what_a_released_operation_says_was_never_sen
     # The client's retry re-creates the claim while the acquirer refuses every attempt.
     sandbox.inject(Fault.RATE_LIMIT, times=RetryPolicy().max_attempts)
     with pytest.raises(ProviderUnavailable) as caught:
-        _effects_pay(_effects_executor(store, sandbox_provider), "k-released")
+        pay(make_executor(store, sandbox_provider, key_scope=""), "k-released")
     held = store.get("shop-a", caught.value.operation_id or "")
     assert held.released
     env = {"PAYORCH_SANDBOX_URL": sandbox.url}
@@ -122,7 +95,7 @@ def test_effects_unexplained_adopts_what_a_released_operation_says_was_never_sen
     assert record.state is State.SUCCEEDED and record.needs_attention and record.possibly_sent
     assert record.provider_reference is not None
     assert store.events("shop-a", held.id)[-1].kind == "adopted"
-    retry = _effects_pay(_effects_executor(store, sandbox_provider), "k-released")
+    retry = pay(make_executor(store, sandbox_provider, key_scope=""), "k-released")
     assert retry.replayed and retry.operation_id == held.id
     assert len(sandbox.effects_for(lost.downstream_key)) == 1
     assert len(sandbox.ledger()) == 1

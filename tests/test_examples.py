@@ -25,14 +25,20 @@ def _run(cwd: Path) -> str:
 def test_the_embedding_example_pays_once_and_replays(tmp_path: Path) -> None:
     first = _run(tmp_path)
     assert first.startswith("200 ") and "'state': 'succeeded'" in first
+    assert "Idempotent-Replayed" not in first
     second = _run(tmp_path)  # the same key against the same database: the first outcome
-    assert second.startswith("200 ") and "'state': 'succeeded'" in second
+    assert second.startswith("200 ") and "'Idempotent-Replayed': 'true'" in second
     engine = sa.create_engine(f"sqlite:///{tmp_path / 'payments.db'}")
     try:
         with engine.connect() as conn:
-            rows = conn.execute(sa.text("SELECT id, state FROM payorch_operations")).all()
+            rows = conn.execute(
+                sa.text("SELECT id, state, attempts, replays FROM payorch_operations")
+            ).all()
+            kinds = conn.execute(sa.text("SELECT kind FROM payorch_events ORDER BY id")).all()
     finally:
         engine.dispose()
-    assert [state for _, state in rows] == ["succeeded"]
-    (operation_id,) = (op for op, _ in rows)
+    # One operation, sent once (one attempt, one provider answer), answered twice.
+    ((operation_id, state, attempts, replays),) = rows
+    assert (state, attempts, replays) == ("succeeded", 1, 1)
+    assert [kind for (kind,) in kinds] == ["claimed", "provider_answer"]
     assert operation_id in first and operation_id in second

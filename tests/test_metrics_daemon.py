@@ -546,7 +546,6 @@ def test_watch_takes_a_sync_store_and_refuses_an_async_one(db_url: str) -> None:
     store, async_store = Store.from_url(db_url), AsyncStore.from_url(db_url)
     before = public.registry.get_sample_value("payorch_database_up")
     try:
-        assert before is None or before in (0.0, 1.0)
         with pytest.raises(ConfigurationError, match="needs a Store, not AsyncStore"):
             public.watch(async_store)
         # Refused before anything was registered: the earlier gauges (if any) still stand.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -74,7 +73,6 @@ def test_an_adapter_that_cannot_list_is_refused(store: Store) -> None:
 
 # -- Stripe's listing (respx) --------------------------------------------------------------
 
-STRIPE = "http://127.0.0.1:12111/stripe"
 CREATED = int(datetime(2024, 5, 1, 12, tzinfo=UTC).timestamp())
 
 
@@ -97,19 +95,6 @@ def intent(ident: str, status: str = "succeeded", **metadata: str) -> dict[str, 
 
 def page(*items: dict[str, Any], has_more: bool = False) -> httpx.Response:
     return httpx.Response(200, json={"object": "list", "data": list(items), "has_more": has_more})
-
-
-@pytest.fixture
-def router() -> respx.Router:
-    return respx.Router(base_url=STRIPE, assert_all_called=False)
-
-
-@pytest.fixture
-def stripe(router: respx.Router) -> Iterator[StripeProvider]:
-    with StripeProvider(
-        api_key="sk_test_x", base_url=STRIPE, transport=httpx.MockTransport(router.handler)
-    ) as adapter:
-        yield adapter
 
 
 OURS = {

@@ -21,8 +21,9 @@ from typing import Any, Protocol, runtime_checkable
 import httpx
 
 from .clients import DeadlineExceeded, asend_with_deadline, send_with_deadline
+from .core import downstream_key as derive_downstream_key
 from .core import is_namespace_key
-from .errors import InvalidRequest, ProviderListingFailed
+from .errors import InvalidRequest, ProviderListingFailed, WebhookMalformed, WebhookRejected
 
 __all__ = [
     "RAW_EVIDENCE_LIMIT",
@@ -34,22 +35,36 @@ __all__ = [
     "TAG_TENANT",
     "Answer",
     "AnswerKind",
+    "DEFAULT_CAPABILITIES",
+    "STATUS_CAPABILITIES",
+    "VOID_CAPABILITIES",
     "AsyncProvider",
+    "AsyncVoider",
+    "BatchWebhooks",
+    "Capability",
     "DeadlineExceeded",
     "EffectLister",
     "Provider",
     "ProviderEffect",
     "StatusQuery",
     "SubmitRequest",
+    "VoidRequest",
+    "Voider",
+    "WebhookBatch",
     "WebhookEvent",
+    "WebhookItem",
     "answer_from_http_status",
     "answer_from_transport_error",
     "asend_with_deadline",
     "bounded_object",
     "bounded_raw",
     "call_budget",
+    "can_query_status",
+    "can_void",
+    "capabilities_of",
     "listing_failed",
     "listing_range",
+    "parse_deliveries",
     "parse_retry_after",
     "payorch_tags_of",
     "provider_tags",
@@ -217,9 +232,69 @@ class WebhookEvent:
     lifecycle: str | None = None
 
 
+class Capability(enum.StrEnum):
+    """What an adapter can do to learn or settle an operation's outcome (its ``capabilities``).
+
+    The reconciler takes the strongest safe path these allow: a status query where it can
+    ask, a replay of the identical request inside the idempotency window where the provider
+    answers a repeat with the first outcome, a void past a deadline where the policy allows
+    it, and otherwise it waits for a webhook and escalates.
+    """
+
+    STATUS_BY_REFERENCE = "status_by_reference"  # read an effect by the provider's own id
+    STATUS_BY_KEY = "status_by_key"  # find an effect by our downstream key or metadata
+    # Sending the identical request again under the same key answers the first outcome
+    # (no second effect): within the window, a replay is a status query.
+    REPLAY = "replay"
+    VOID_BY_KEY = "void_by_key"  # cancel an uncaptured authorisation by our key/reference
+    VOID_BY_REFERENCE = "void_by_reference"  # cancel one by the provider's reference
+    WEBHOOKS = "webhooks"  # signed events report outcomes
+
+
+STATUS_CAPABILITIES = frozenset({Capability.STATUS_BY_REFERENCE, Capability.STATUS_BY_KEY})
+VOID_CAPABILITIES = frozenset({Capability.VOID_BY_KEY, Capability.VOID_BY_REFERENCE})
+# An adapter that declares none: what every adapter before capabilities could do.
+DEFAULT_CAPABILITIES = frozenset(
+    {Capability.STATUS_BY_REFERENCE, Capability.STATUS_BY_KEY, Capability.WEBHOOKS}
+)
+
+
+def capabilities_of(adapter: object) -> frozenset[Capability]:
+    """The adapter's declared ``capabilities``, or :data:`DEFAULT_CAPABILITIES` if it
+    declares none (an adapter written before they existed answers status queries)."""
+    declared = getattr(adapter, "capabilities", None)
+    if declared is None:
+        return DEFAULT_CAPABILITIES
+    return frozenset(Capability(c) for c in declared)
+
+
+def can_query_status(adapter: object) -> bool:
+    """Whether the adapter can be asked for an operation's status at all."""
+    return bool(capabilities_of(adapter) & STATUS_CAPABILITIES)
+
+
+def can_void(adapter: object, provider_reference: str | None) -> bool:
+    """Whether the adapter can void an operation known by ``provider_reference`` (or None)."""
+    caps = capabilities_of(adapter)
+    if not callable(getattr(adapter, "void", None)) and not callable(
+        getattr(adapter, "avoid", None)
+    ):
+        return False
+    if Capability.VOID_BY_KEY in caps:
+        return True
+    return Capability.VOID_BY_REFERENCE in caps and bool(provider_reference)
+
+
 @runtime_checkable
 class Provider(Protocol):
-    """What payorch needs from a payment provider adapter."""
+    """What payorch needs from a payment provider adapter.
+
+    Optional beside these: ``capabilities`` (a set of :class:`Capability`; default
+    :data:`DEFAULT_CAPABILITIES`), ``void`` (:class:`Voider`), ``parse_webhooks``
+    (:class:`BatchWebhooks`) and ``list_effects`` (:class:`EffectLister`). An adapter that
+    declares no status capability is never asked ``query_status`` by the reconciler; its
+    ``query_status`` answers AMBIGUOUS with code ``status_unsupported``.
+    """
 
     @property
     def name(self) -> str: ...
@@ -266,6 +341,98 @@ class AsyncProvider(Protocol):
     async def aquery_status(self, query: StatusQuery) -> Answer: ...
 
     def parse_webhook(self, headers: Mapping[str, str], body: bytes) -> WebhookEvent: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class VoidRequest(StatusQuery):
+    """Cancel the uncaptured authorisation an operation may have made (:class:`Voider`).
+
+    Sent when the outcome is unknown (or an operator asks): the provider holds either
+    nothing under the operation's key, or an authorisation to release. ``void_key`` is the
+    idempotency key of the void itself, a pure function of the operation's key, so a void
+    re-sent after a crash is the same void.
+    """
+
+    reason: str = ""
+    actor: str = ""
+
+    @property
+    def void_key(self) -> str:
+        if is_namespace_key(self.downstream_key):
+            return derive_downstream_key(self.downstream_key.split(":")[1], "void")
+        return f"{self.downstream_key}:void"
+
+
+@runtime_checkable
+class Voider(Protocol):
+    """Optional, beside :class:`Provider`: an adapter that can void an authorisation.
+
+    ``void`` answers, as evidence about the operation being voided:
+
+    - SUCCEEDED: it is void now (nothing is held, and the key can no longer charge);
+    - PENDING: the provider took the void; its outcome arrives later (a webhook);
+    - NOT_FOUND: the provider holds nothing under the operation's key (nothing to release);
+    - DECLINED: it cannot be voided (e.g. captured already), ``code`` says why;
+    - AMBIGUOUS / NOT_SENT: as for a submission; sending the same void again is safe.
+    """
+
+    def void(self, request: VoidRequest) -> Answer: ...
+
+
+@runtime_checkable
+class AsyncVoider(Protocol):
+    """:class:`Voider` as a coroutine, for the async API."""
+
+    async def avoid(self, request: VoidRequest) -> Answer: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class WebhookItem:
+    """One event of a delivery: its verified event, or why it was refused."""
+
+    index: int  # its position in the delivery
+    event: WebhookEvent | None = None
+    rejected: WebhookRejected | None = None
+
+    def __post_init__(self) -> None:
+        if (self.event is None) == (self.rejected is None):
+            raise ValueError("a webhook item is either an event or a rejection")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WebhookBatch:
+    """What one delivery carried: each item verified on its own.
+
+    ``acknowledgement`` is the body the provider expects once every item was taken (Adyen's
+    ``[accepted]``); None answers payorch's JSON summary. A delivery with a refused item
+    is answered with that item's error status, so the provider sends it again; the items
+    already applied are then duplicates in the inbox.
+    """
+
+    items: tuple[WebhookItem, ...]
+    acknowledgement: str | None = None
+
+
+@runtime_checkable
+class BatchWebhooks(Protocol):
+    """Optional: an adapter whose deliveries may carry several events (``parse_webhooks``).
+
+    It raises :class:`~payorch.errors.WebhookRejected` only for a delivery it cannot read at
+    all; an item that fails its own signature is a rejected :class:`WebhookItem`.
+    """
+
+    def parse_webhooks(self, headers: Mapping[str, str], body: bytes) -> WebhookBatch: ...
+
+
+def parse_deliveries(adapter: Provider, headers: Mapping[str, str], body: bytes) -> WebhookBatch:
+    """A delivery as a batch: ``parse_webhooks`` where the adapter has it, else the one
+    event ``parse_webhook`` verifies (whose rejection rejects the delivery)."""
+    if isinstance(adapter, BatchWebhooks):
+        batch = adapter.parse_webhooks(headers, body)
+        if not batch.items:
+            raise WebhookMalformed("the delivery carries no event")
+        return batch
+    return WebhookBatch(items=(WebhookItem(index=0, event=adapter.parse_webhook(headers, body)),))
 
 
 # Never kept with an effect's evidence: a PaymentIntent's client secret lets its holder

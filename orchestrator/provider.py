@@ -26,18 +26,18 @@ from .core import is_namespace_key
 from .errors import InvalidRequest, ProviderListingFailed, WebhookMalformed, WebhookRejected
 
 __all__ = [
+    "DEFAULT_CAPABILITIES",
     "RAW_EVIDENCE_LIMIT",
+    "STATUS_CAPABILITIES",
     "TAG_FINGERPRINT",
     "TAG_KEY",
     "TAG_LEGACY_OPERATION_ID",
     "TAG_OPERATION",
     "TAG_REF",
     "TAG_TENANT",
+    "VOID_CAPABILITIES",
     "Answer",
     "AnswerKind",
-    "DEFAULT_CAPABILITIES",
-    "STATUS_CAPABILITIES",
-    "VOID_CAPABILITIES",
     "AsyncProvider",
     "AsyncVoider",
     "BatchWebhooks",

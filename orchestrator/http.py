@@ -54,7 +54,7 @@ from .errors import (
 from .outcome import Outcome
 
 if TYPE_CHECKING:  # only the type: answering a webhook needs neither the store nor SQL
-    from .outcome import WebhookResult
+    from .outcome import WebhookDelivery, WebhookResult
 
 __all__ = [
     "IDEMPOTENCY_KEY_HEADER",
@@ -77,6 +77,7 @@ OPERATION_HEADER = "Payorch-Operation-Id"
 REPLAYED_HEADER = "Idempotent-Replayed"
 JSON = "application/json"
 PROBLEM_JSON = "application/problem+json"
+TEXT = "text/plain; charset=utf-8"
 SAME_KEY = "same_key"
 NEW_KEY = "new_key"  # no answer carries it any more (every 503 is same_key); kept for callers
 # When a stored outcome says 503 without a Retry-After of its own: its inline retries
@@ -117,9 +118,13 @@ class HttpAnswer:
     body: dict[str, Any]
     headers: dict[str, str] = field(default_factory=dict)
     content_type: str = JSON
+    # A plain-text body instead of ``body`` (a provider's acknowledgement, e.g. "[accepted]").
+    text: str | None = None
 
     def content(self) -> bytes:
         """The body as compact JSON (ASCII: anything stored, even a lone surrogate, encodes)."""
+        if self.text is not None:
+            return self.text.encode("utf-8")
         return json.dumps(self.body, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
@@ -345,7 +350,7 @@ def http_answer(
     return _outcome_answer(result, success_status, location)
 
 
-def webhook_answer(result: WebhookResult | PayorchError) -> HttpAnswer:
+def webhook_answer(result: WebhookResult | WebhookDelivery | PayorchError) -> HttpAnswer:
     """What to send back to a provider for ``WebhookHandler.handle()``'s result or error.
 
     Every handled delivery is 200, whatever became of it, so the provider stops re-sending;
@@ -356,6 +361,8 @@ def webhook_answer(result: WebhookResult | PayorchError) -> HttpAnswer:
         return _error_answer(result, status=404)
     if isinstance(result, PayorchError):
         return _error_answer(result)
+    if not hasattr(result, "status"):
+        return _delivery_answer(result)
     body: dict[str, Any] = {"status": result.status.value, "event_id": result.event_id}
     headers: dict[str, str] = {}
     if result.operation_id is not None:
@@ -364,3 +371,32 @@ def webhook_answer(result: WebhookResult | PayorchError) -> HttpAnswer:
     if result.state is not None:
         body["state"] = result.state.value
     return HttpAnswer(status=200, body=body, headers=headers, content_type=JSON)
+
+
+def _delivery_answer(delivery: WebhookDelivery) -> HttpAnswer:
+    """A batched delivery: every item taken, or the first refusal (so the provider retries)."""
+    if delivery.rejected:
+        index, first = delivery.rejected[0]
+        answer = _error_answer(first)
+        answer.body["refused_items"] = [i for i, _ in delivery.rejected]
+        answer.body["taken_items"] = len(delivery.results)
+        answer.body["detail"] = f"item {index}: {first.message}"
+        return answer
+    if delivery.acknowledgement is not None:
+        return HttpAnswer(status=200, body={}, content_type=TEXT, text=delivery.acknowledgement)
+    if len(delivery.results) == 1:
+        return webhook_answer(delivery.results[0])
+    items = [
+        {
+            k: v
+            for k, v in (
+                ("status", r.status.value),
+                ("event_id", r.event_id),
+                ("operation_id", r.operation_id),
+                ("state", r.state.value if r.state is not None else None),
+            )
+            if v is not None
+        }
+        for r in delivery.results
+    ]
+    return HttpAnswer(status=200, body={"results": items}, content_type=JSON)

@@ -10,6 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 from .core import State
+from .errors import WebhookRejected
 from .provider import Answer, AnswerKind
 from .records import OperationRecord
 
@@ -17,6 +18,7 @@ __all__ = [
     "REFUSED_BEFORE_SENDING",
     "Decision",
     "Outcome",
+    "WebhookDelivery",
     "WebhookResult",
     "WebhookStatus",
     "contradicts",
@@ -240,3 +242,23 @@ class WebhookResult:
     operation_id: str | None = None
     state: State | None = None
     http_status: int = 200
+
+
+@dataclass(frozen=True, kw_only=True)
+class WebhookDelivery:
+    """What :meth:`~payorch.WebhookHandler.handle_delivery` made of one delivery: a result
+    per item taken, in order, and the items refused (position, error).
+
+    A delivery with a refused item answers that error's status (400), so the provider sends
+    it again: the items taken this time are then duplicates, and the refused one gets
+    another chance. One that took every item answers 200 with the adapter's
+    ``acknowledgement`` (e.g. ``[accepted]``), or payorch's JSON summary.
+    """
+
+    results: tuple[WebhookResult, ...]
+    rejected: tuple[tuple[int, WebhookRejected], ...] = ()
+    acknowledgement: str | None = None
+
+    @property
+    def http_status(self) -> int:
+        return self.rejected[0][1].http_status if self.rejected else 200

@@ -290,7 +290,7 @@ def _sync_webhook(request: HttpRequest, tenant: str, provider: str) -> HttpRespo
         return refused
     try:
         headers = dict(request.headers.items())
-        result = webhook_handler().handle(tenant, provider, headers, request.body)
+        result = webhook_handler().handle_delivery(tenant, provider, headers, request.body)
     except Exception as exc:  # noqa: BLE001 - a 5xx makes the provider re-send it
         return _response(_failure(exc, webhook_answer))
     return _response(webhook_answer(result))
@@ -303,7 +303,9 @@ async def _async_webhook(request: HttpRequest, tenant: str, provider: str) -> Ht
     try:
         require_asgi(request)
         headers = dict(request.headers.items())
-        result = await async_webhook_handler().handle(tenant, provider, headers, request.body)
+        result = await async_webhook_handler().handle_delivery(
+            tenant, provider, headers, request.body
+        )
     except Exception as exc:  # noqa: BLE001 - a 5xx makes the provider re-send it
         return _response(_failure(exc, webhook_answer))
     return _response(webhook_answer(result))

@@ -342,7 +342,9 @@ class Payorch:
         async def webhook(request: Request, tenant: str, provider: str) -> Response:
             try:
                 body = await self._body(request)
-                result = await self.webhooks.handle(tenant, provider, request.headers, body)
+                result = await self.webhooks.handle_delivery(
+                    tenant, provider, request.headers, body
+                )
             except Exception as exc:  # noqa: BLE001 - a 5xx makes the provider re-send it
                 return _failure(exc, webhook_answer)
             return _response(webhook_answer(result))

@@ -52,6 +52,7 @@ __all__ = [
     "registry",
     "set_enabled",
     "watch",
+    "webhook_counted",
 ]
 
 AVAILABLE = prometheus_client is not None
@@ -317,6 +318,12 @@ def counts_webhooks(fn: F) -> F:
         return result
 
     return cast(F, handle)
+
+
+def webhook_counted(provider: str | None, status: str) -> None:
+    """One item of a delivery taken (by its status) or refused (``rejected``)."""
+    if AVAILABLE and _enabled:
+        WEBHOOKS.labels(provider or UNKNOWN, status).inc()
 
 
 # -- gauges computed at scrape time ---------------------------------------------------

@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from ..errors import ConfigurationError
 from ..execution._async import bridged_providers
 from ..execution._executor import RetryPolicy
-from ..outcome import WebhookResult
+from ..outcome import WebhookDelivery, WebhookResult
 from ..provider import AsyncProvider
 from ..storage._async_store import AsyncStore
 from ..storage._bridge import run_bridged
@@ -39,6 +39,13 @@ class AsyncWebhookHandler:
     ) -> WebhookResult:
         """:meth:`WebhookHandler.handle <payorch.WebhookHandler.handle>`, awaited."""
         return await run_bridged(self._sync.handle, tenant_id, provider, headers, body)
+
+    async def handle_delivery(
+        self, tenant_id: str, provider: str, headers: Mapping[str, str], body: bytes
+    ) -> WebhookDelivery:
+        """:meth:`WebhookHandler.handle_delivery <payorch.WebhookHandler.handle_delivery>`,
+        awaited."""
+        return await run_bridged(self._sync.handle_delivery, tenant_id, provider, headers, body)
 
 
 class AsyncReconciler:

@@ -23,12 +23,18 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ..core import State, is_namespace_key, operation_id_from_downstream_key, validate_tenant
-from ..errors import OperationNotFound, StaleVersion, UnknownProvider, WebhookUnstorable
+from ..errors import (
+    OperationNotFound,
+    StaleVersion,
+    UnknownProvider,
+    WebhookRejected,
+    WebhookUnstorable,
+)
 from ..observing import _logs as logs
 from ..observing import _metrics as metrics
 from ..observing import _tracing as tracing
-from ..outcome import WebhookResult, WebhookStatus, contradicts, settled
-from ..provider import Answer, AnswerKind, Provider, WebhookEvent
+from ..outcome import WebhookDelivery, WebhookResult, WebhookStatus, contradicts, settled
+from ..provider import Answer, AnswerKind, Provider, WebhookBatch, WebhookEvent, parse_deliveries
 from ..records import OperationRecord, Redactor
 from ..storage._engine import read_in_transaction, run_in_transaction
 from ..storage._store import Store
@@ -110,11 +116,71 @@ class WebhookHandler:
     def handle(
         self, tenant_id: str, provider: str, headers: Mapping[str, str], body: bytes
     ) -> WebhookResult:
+        """Take a delivery of one event: its result, or the WebhookRejected it raised.
+
+        A delivery of several events (an adapter with ``parse_webhooks``) is taken whole;
+        the first refused item's error is raised once the others are applied, else the
+        first item's result is returned. :meth:`handle_delivery` answers for every item.
+        """
+        delivery = self._deliver(
+            tenant_id, provider, self._parse(tenant_id, provider, headers, body)
+        )
+        if delivery.rejected:
+            raise delivery.rejected[0][1]
+        return delivery.results[0]
+
+    def handle_delivery(
+        self, tenant_id: str, provider: str, headers: Mapping[str, str], body: bytes
+    ) -> WebhookDelivery:
+        """Take every event of one delivery, each on its own through the inbox.
+
+        One refused item (a bad signature, an unstorable field) never loses the others:
+        they are applied, and the delivery's answer (:func:`~payorch.http.webhook_answer`)
+        lets the provider send it again. A delivery that cannot be read at all raises
+        WebhookRejected; storage trouble raises (503), and a re-sent delivery's items
+        already taken are duplicates.
+        """
+        try:
+            batch = self._parse(tenant_id, provider, headers, body)
+        except WebhookRejected as exc:
+            metrics.webhook_counted(provider if provider in self.providers else None, "rejected")
+            logs.webhook_refused(tenant_id, provider, exc)
+            raise
+        delivery = self._deliver(tenant_id, provider, batch)
+        for result in delivery.results:
+            metrics.webhook_counted(provider, result.status.value)
+            logs.webhook(tenant_id, provider, result)
+        for _, refused in delivery.rejected:
+            metrics.webhook_counted(provider, "rejected")
+            logs.webhook_refused(tenant_id, provider, refused)
+        return delivery
+
+    def _parse(
+        self, tenant_id: str, provider: str, headers: Mapping[str, str], body: bytes
+    ) -> WebhookBatch:
         validate_tenant(tenant_id)
         adapter = self.providers.get(provider)
         if adapter is None:
             raise UnknownProvider(f"no provider named {provider!r} is configured")
-        event = adapter.parse_webhook(headers, body)  # raises WebhookRejected: nothing changed
+        return parse_deliveries(adapter, headers, body)  # raises WebhookRejected: nothing changed
+
+    def _deliver(self, tenant_id: str, provider: str, batch: WebhookBatch) -> WebhookDelivery:
+        results: list[WebhookResult] = []
+        rejected: list[tuple[int, WebhookRejected]] = []
+        for item in batch.items:
+            if item.rejected is not None:
+                rejected.append((item.index, item.rejected))
+                continue
+            assert item.event is not None
+            try:
+                results.append(self._take(tenant_id, provider, item.event))
+            except WebhookRejected as exc:  # unstorable: this item only
+                rejected.append((item.index, exc))
+        return WebhookDelivery(
+            results=tuple(results), rejected=tuple(rejected), acknowledgement=batch.acknowledgement
+        )
+
+    def _take(self, tenant_id: str, provider: str, event: WebhookEvent) -> WebhookResult:
         check_storable(event)  # before the first query: nothing read, nothing written
         duplicate = WebhookResult(status=WebhookStatus.DUPLICATE, event_id=event.event_id)
         if self._seen(tenant_id, provider, event.event_id):  # fast path; the insert decides

@@ -6,6 +6,7 @@ operation          Stripe call
 payment.create     ``POST /v1/payment_intents`` (``confirm=true``)
 payment.capture    ``POST /v1/payment_intents/{payload["payment_intent"]}/capture``
 refund.create      ``POST /v1/refunds``
+void (create)      ``POST /v1/payment_intents/{id}/cancel`` (:mod:`._voids`)
 =================  ==================================================================
 
 Every POST carries ``Idempotency-Key: <downstream key>``, identical on every attempt, and
@@ -32,9 +33,11 @@ from ...errors import ConfigurationError
 from ...observing import _tracing as tracing
 from ...provider import (
     Answer,
+    Capability,
     ProviderEffect,
     StatusQuery,
     SubmitRequest,
+    VoidRequest,
     WebhookEvent,
     answer_from_transport_error,
     asend_with_deadline,
@@ -44,9 +47,11 @@ from ...provider import (
 from ._classify import Reply
 from ._flows import Call, Flow, query_flow, submit_flow
 from ._listing import list_effects
+from ._voids import void_flow
 from ._webhooks import parse_stripe_webhook
 
 __all__ = [
+    "CAPABILITIES",
     "DEFAULT_TIMEOUT",
     "DEFAULT_WEBHOOK_TOLERANCE",
     "IDEMPOTENCY_WINDOW",
@@ -57,6 +62,19 @@ DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=30.0, write=10.0, pool=5.0)
 DEFAULT_WEBHOOK_TOLERANCE = timedelta(minutes=5)  # the tolerance Stripe's own libraries use
 # Stripe prunes idempotency keys once they are at least 24 hours old.
 IDEMPOTENCY_WINDOW = timedelta(hours=24)
+# What the adapter can do to learn or settle an outcome. REPLAY: within the window, Stripe
+# answers a repeat under the same Idempotency-Key with the first response; an endpoint
+# configured without a window drops it.
+CAPABILITIES = frozenset(
+    {
+        Capability.STATUS_BY_REFERENCE,
+        Capability.STATUS_BY_KEY,
+        Capability.REPLAY,
+        Capability.VOID_BY_KEY,
+        Capability.VOID_BY_REFERENCE,
+        Capability.WEBHOOKS,
+    }
+)
 
 
 class StripeProvider:
@@ -150,6 +168,13 @@ class StripeProvider:
     def max_call_duration(self) -> timedelta:
         return self._max_call_duration
 
+    @property
+    def capabilities(self) -> frozenset[Capability]:
+        """:data:`CAPABILITIES`, without REPLAY when the endpoint has no idempotency window."""
+        if self._idempotency_window is None:
+            return CAPABILITIES - {Capability.REPLAY}
+        return CAPABILITIES
+
     def submit(self, request: SubmitRequest) -> Answer:
         """Send ``request`` once with its downstream key and classify Stripe's answer.
 
@@ -171,6 +196,17 @@ class StripeProvider:
         5xx come back as they are.
         """
         return self._run(query_flow(query, window=self._idempotency_window))
+
+    def void(self, request: VoidRequest) -> Answer:
+        """Cancel the uncaptured PaymentIntent of ``request``'s payment.create (a
+        :class:`payorch.provider.Voider`; the answers are :mod:`._voids`'). It is found as a
+        status query finds it, then canceled under ``request.void_key``; any other operation
+        is DECLINED ``not_voidable`` without a call. One deadline bounds it all."""
+        return self._run(void_flow(request, window=self._idempotency_window))
+
+    async def avoid(self, request: VoidRequest) -> Answer:
+        """:meth:`void` over ``httpx.AsyncClient`` (the same flow, driven async)."""
+        return await self._arun(void_flow(request, window=self._idempotency_window))
 
     def list_effects(self, since: datetime, until: datetime) -> Iterator[ProviderEffect]:
         """PaymentIntents and Refunds created in ``[since, until]`` that carry payorch's

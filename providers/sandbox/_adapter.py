@@ -40,9 +40,11 @@ from ...provider import (
     TAG_LEGACY_OPERATION_ID,
     Answer,
     AnswerKind,
+    Capability,
     ProviderEffect,
     StatusQuery,
     SubmitRequest,
+    VoidRequest,
     WebhookEvent,
     answer_from_http_status,
     answer_from_transport_error,
@@ -68,12 +70,16 @@ _EFFECT_KINDS = {
     "succeeded": AnswerKind.SUCCEEDED,
     "declined": AnswerKind.DECLINED,
     "processing": AnswerKind.PENDING,
+    # Released before capture: no money moved (a void's outcome, code "voided").
+    "voided": AnswerKind.DECLINED,
 }
 _EVENT_KINDS = {
     "effect.succeeded": AnswerKind.SUCCEEDED,
     "effect.declined": AnswerKind.DECLINED,
     "effect.processing": AnswerKind.PENDING,
+    "effect.voided": AnswerKind.DECLINED,
 }
+VOIDED = "voided"  # the code and lifecycle of a voided authorisation
 # When one key has several effects (it was reused past the window), money that moved wins.
 _PRECEDENCE = {AnswerKind.SUCCEEDED: 0, AnswerKind.PENDING: 1, AnswerKind.DECLINED: 2}
 
@@ -163,6 +169,37 @@ class SandboxProvider:
     @property
     def max_call_duration(self) -> timedelta:
         return self._deadline
+
+    @property
+    def capabilities(self) -> frozenset[Capability]:
+        # The sandbox honours its key for a window, so a repeat answers the first outcome.
+        return _CAPABILITIES
+
+    def void(self, request: VoidRequest) -> Answer:
+        """Void by the payment's key (``POST /v1/voids``): see :class:`~payorch.provider.Voider`."""
+        try:
+            response = self._send(self._void_request(self._clients.sync, request))
+        except httpx.HTTPError as exc:
+            return answer_from_transport_error(exc)
+        return _classify_void(response)
+
+    async def avoid(self, request: VoidRequest) -> Answer:
+        try:
+            response = await self._asend(self._void_request(self._clients.asynchronous(), request))
+        except httpx.HTTPError as exc:
+            return answer_from_transport_error(exc)
+        return _classify_void(response)
+
+    def _void_request(
+        self, client: httpx.Client | httpx.AsyncClient, request: VoidRequest
+    ) -> httpx.Request:
+        return client.build_request(
+            "POST",
+            f"{self._base_url}/v1/voids",
+            json={"idempotency_key": request.downstream_key},
+            headers=tracing.inject({"Idempotency-Key": request.void_key}),
+            timeout=self._timeout,
+        )
 
     def submit(self, request: SubmitRequest) -> Answer:
         try:
@@ -434,11 +471,54 @@ class SandboxProvider:
             body=event,
             # The same code a status query stores for this decline.
             code=(
-                _str_or_none(effect.get("decline_code")) or "declined"
+                (VOIDED if event_type == "effect.voided" else None)
+                or _str_or_none(effect.get("decline_code"))
+                or "declined"
                 if outcome is AnswerKind.DECLINED
                 else None
             ),
+            # A released authorisation: what became of the effect, whatever its outcome was.
+            lifecycle=VOIDED if event_type == "effect.voided" else None,
         )
+
+
+_CAPABILITIES = frozenset(
+    {
+        Capability.STATUS_BY_REFERENCE,
+        Capability.STATUS_BY_KEY,
+        Capability.REPLAY,
+        Capability.VOID_BY_KEY,
+        Capability.WEBHOOKS,
+    }
+)
+
+
+def _classify_void(response: httpx.Response) -> Answer:
+    status, body, evidence, shared = _read(response)
+    if shared is not None:
+        return shared
+    error = _error_of(body)
+    code = _str_or_none(error.get("code"))
+    if status == 409 and code == "request_in_progress":
+        # The payment itself is being made right now: nothing was voided; send it again.
+        retry = parse_retry_after(response.headers.get("retry-after"))
+        return Answer(kind=AnswerKind.NOT_SENT, status_code=409, retry_after=retry, code=code)
+    if status == 400 and code == "already_captured":
+        effect = error.get("effect")
+        ref = _str_or_none(effect.get("id")) if isinstance(effect, dict) else None
+        return Answer(kind=AnswerKind.DECLINED, provider_reference=ref, code=code, **evidence)
+    if status != 200 or not isinstance(body, dict):
+        return Answer(kind=AnswerKind.AMBIGUOUS, code=f"http_{status}", **evidence)
+    effect = body.get("effect")
+    ref = _str_or_none(effect.get("id")) if isinstance(effect, dict) else None
+    kind, code = _VOID_RESULTS.get(body.get("status"), (AnswerKind.AMBIGUOUS, "unexpected_body"))
+    return Answer(kind=kind, provider_reference=ref, code=code, **evidence)
+
+
+_VOID_RESULTS: Mapping[object, tuple[AnswerKind, str]] = {
+    "voided": (AnswerKind.SUCCEEDED, VOIDED),
+    "nothing_found": (AnswerKind.NOT_FOUND, "nothing_found"),
+}
 
 
 def _listed_effect(provider: str, item: object) -> ProviderEffect:

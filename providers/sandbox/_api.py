@@ -32,7 +32,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ._faults import AFTER_COMMIT, BEFORE_COMMIT, WIRE_FAULTS, Fault, FaultPlan, parse_fault
-from ._ledger import Claim, Clock, EffectStatus, IdempotencyStore, Ledger
+from ._ledger import Claim, Clock, EffectStatus, IdempotencyStore, Ledger, VoidResult
 from ._webhooks import Outbox
 
 __all__ = ["Acquirer", "CommitGate", "Reply"]
@@ -159,7 +159,9 @@ class Acquirer:
 
     # -- routing ---------------------------------------------------------------------------
 
-    def handle(self, method: str, target: str, headers: Mapping[str, str], body: bytes) -> Reply:
+    def handle(  # noqa: PLR0911 - one return per route
+        self, method: str, target: str, headers: Mapping[str, str], body: bytes
+    ) -> Reply:
         """Answer one request; ``headers`` have lower-case names."""
         parts = urlsplit(target)
         path = parts.path.rstrip("/")
@@ -170,6 +172,10 @@ class Acquirer:
                 forced = parse_fault(fault_header)
             except ValueError as exc:
                 return error_reply(400, "invalid_request_error", "unknown_fault", message=str(exc))
+        if path == "/v1/voids":
+            if method != "POST":
+                return error_reply(405, "invalid_request_error", "method_not_allowed")
+            return self._post_void(body, forced)
         if path.startswith("/v1/operations/"):
             if method != "POST":
                 return error_reply(405, "invalid_request_error", "method_not_allowed")
@@ -258,6 +264,31 @@ class Acquirer:
                 return early
         return self._execute_once(operation, key, payload, fault)
 
+    def _post_void(self, raw: bytes, forced: Fault | None) -> Reply:
+        """``POST /v1/voids {"idempotency_key": …}``: void what that key authorised (by key,
+        as Square cancels a payment by its CreatePayment's key). Naturally idempotent."""
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            payload = None
+        key = payload.get("idempotency_key") if isinstance(payload, dict) else None
+        if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
+            return error_reply(
+                400, "invalid_request_error", "parameter_invalid", param="idempotency_key"
+            )
+        if forced is not None and forced not in (Fault.DECLINE, Fault.PENDING):
+            early = self._fault_before(forced)
+            if early is not None:
+                return early
+        if self._idempotency.in_flight(key):
+            reply = error_reply(409, "idempotency_error", "request_in_progress")
+            return replace(reply, headers={"Retry-After": self._retry_after})
+        result, effect = self.ledger.void(key)
+        if result is VoidResult.ALREADY_CAPTURED:
+            return error_reply(400, "invalid_request_error", "already_captured", effect=effect)
+        reply = _json(200, {"object": "void", "status": result.value, "effect": effect})
+        return self._fault_after(reply, forced)
+
     @staticmethod
     def _parse_payload(operation: str, raw: bytes) -> dict[str, Any] | Reply:
         """The request's JSON object, or the 4xx that refuses it."""
@@ -330,6 +361,14 @@ class Acquirer:
         effect = self.ledger.commit(
             operation=operation, idempotency_key=key, payload=payload, status=status
         )
+        if effect is None:  # the key was voided before this request: nothing can be made
+            return error_reply(
+                402,
+                "card_error",
+                "voided",
+                decline_code="voided",
+                message="This payment was voided before it was made.",
+            )
         if status is EffectStatus.DECLINED:
             return error_reply(
                 402,

@@ -20,6 +20,7 @@ __all__ = [
     "IdempotencyStore",
     "Ledger",
     "StoredResponse",
+    "VoidResult",
 ]
 
 
@@ -54,6 +55,13 @@ class EffectStatus(enum.StrEnum):
     SUCCEEDED = "succeeded"
     DECLINED = "declined"
     PROCESSING = "processing"
+    VOIDED = "voided"  # an authorisation released before capture
+
+
+class VoidResult(enum.StrEnum):
+    VOIDED = "voided"  # released now, or it was already
+    NOTHING_FOUND = "nothing_found"  # no effect under the key; the key can no longer charge
+    ALREADY_CAPTURED = "already_captured"  # money moved: refund it instead
 
 
 @dataclass
@@ -88,6 +96,9 @@ class Ledger:
         # read these instead of scanning every effect: a provider's search is indexed.
         self._by_key: dict[str, list[str]] = {}
         self._by_ref: dict[str, list[str]] = {}
+        # Keys voided before anything was made under them: a late request under one is
+        # refused, so a void by key holds even when it overtakes the payment it voids.
+        self._voided_keys: set[str] = set()
 
     def commit(
         self,
@@ -96,7 +107,8 @@ class Ledger:
         idempotency_key: str,
         payload: dict[str, Any],
         status: EffectStatus,
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | None:
+        """The effect committed, or None when ``idempotency_key`` was voided first."""
         now = self._clock.monotonic()
         metadata = payload.get("metadata")
         data: dict[str, Any] = {
@@ -110,11 +122,15 @@ class Ledger:
             "metadata": copy.deepcopy(metadata) if isinstance(metadata, dict) else {},
             "created": int(self._clock.wall()),
         }
+        if payload.get("capture_method") == "manual":
+            data["capture_method"] = "manual"
         if status is EffectStatus.DECLINED:
             data["failure_code"] = "card_declined"
             data["decline_code"] = "generic_decline"
         settle_at = now + self._settle_after if status is EffectStatus.PROCESSING else None
         with self._lock:
+            if idempotency_key in self._voided_keys:
+                return None
             entry = _Entry(data=data, committed_at=now, settle_at=settle_at, seq=len(self._entries))
             self._entries[data["id"]] = entry
             self._by_key.setdefault(idempotency_key, []).append(data["id"])
@@ -141,6 +157,30 @@ class Ledger:
                 raise ValueError(f"effect {effect_id} is already {current}")
             self._finish_locked(entry, outcome)
             return copy.deepcopy(entry.data)
+
+    def void(self, idempotency_key: str) -> tuple[VoidResult, dict[str, Any] | None]:
+        """Release the uncaptured authorisation made under ``idempotency_key``.
+
+        Nothing made under it yet: the key is voided, so nothing can be made under it later.
+        A declined effect holds nothing: void as it stands. A captured one cannot be voided.
+        """
+        self.settle_due()
+        with self._lock:
+            ids = self._by_key.get(idempotency_key)
+            if not ids:
+                self._voided_keys.add(idempotency_key)
+                return VoidResult.NOTHING_FOUND, None
+            entry = self._entries[ids[-1]]
+            status = entry.data["status"]
+            manual = entry.data.get("capture_method") == "manual"
+            if status == EffectStatus.SUCCEEDED.value and not manual:
+                return VoidResult.ALREADY_CAPTURED, copy.deepcopy(entry.data)
+            if status in (EffectStatus.SUCCEEDED.value, EffectStatus.PROCESSING.value):
+                entry.settle_at = None
+                self._processing.discard(entry.data["id"])
+                entry.data["status"] = EffectStatus.VOIDED.value
+                self._changed_locked(entry.data)
+            return VoidResult.VOIDED, copy.deepcopy(entry.data)
 
     def settle_due(self) -> None:
         """Settle every "processing" effect whose time has come (evaluated lazily, on reads)."""
@@ -304,6 +344,11 @@ class IdempotencyStore:
                 stored_at=self._clock.monotonic(),
             )
             self._stored.move_to_end(key)
+
+    def in_flight(self, key: str) -> bool:
+        """Whether a request under ``key`` is being executed right now."""
+        with self._lock:
+            return key in self._in_flight
 
     def release(self, key: str) -> None:
         """Free a claimed key without storing anything (the request did not commit)."""

@@ -1,0 +1,18 @@
+"""The adapter kit's test class: every check of payorch's provider contract in one base."""
+
+from __future__ import annotations
+
+from ._async_checks import AsyncContract
+from ._submits import SubmitContract
+from ._voids import VoidContract
+from ._webhook_checks import WebhookContract
+
+__all__ = ["AdapterContract"]
+
+
+class AdapterContract(SubmitContract, WebhookContract, VoidContract, AsyncContract):
+    """Subclass it as ``Test…`` and give it an ``emulator`` fixture; pytest collects every
+    check. Each asserts what the emulator counted or what the adapter answered, and skips,
+    saying why, only where the adapter's capabilities or the emulator's ``faults`` and
+    ``batches`` say it does not apply.
+    """

@@ -26,7 +26,20 @@ from pydantic import BaseModel
 from ..errors import ConfigurationError
 from ..operations import Registry
 from ..outcome import Outcome
-from ..provider import Answer, AsyncProvider, StatusQuery, SubmitRequest, WebhookEvent
+from ..provider import (
+    VOID_CAPABILITIES,
+    Answer,
+    AsyncProvider,
+    AsyncVoider,
+    Capability,
+    StatusQuery,
+    SubmitRequest,
+    VoidRequest,
+    WebhookBatch,
+    WebhookEvent,
+    capabilities_of,
+    parse_deliveries,
+)
 from ..storage._async_store import AsyncStore
 from ..storage._bridge import run_bridged, wait_for
 from ._executor import Executor, RetryPolicy
@@ -66,6 +79,20 @@ class _Bridged:
 
     def parse_webhook(self, headers: Mapping[str, str], body: bytes) -> WebhookEvent:
         return self.inner.parse_webhook(headers, body)
+
+    def parse_webhooks(self, headers: Mapping[str, str], body: bytes) -> WebhookBatch:
+        return parse_deliveries(self.inner, headers, body)
+
+    @property
+    def capabilities(self) -> frozenset[Capability]:
+        caps = capabilities_of(self.inner)
+        # A void needs the adapter's coroutine: without one, none is offered.
+        return caps if isinstance(self.inner, AsyncVoider) else caps - VOID_CAPABILITIES
+
+    def void(self, request: VoidRequest) -> Answer:
+        if not isinstance(self.inner, AsyncVoider):
+            raise ConfigurationError(f"provider {self.name!r} has no async void (avoid)")
+        return wait_for(self.inner.avoid(request))
 
 
 def bridged_providers(providers: Iterable[AsyncProvider]) -> list[_Bridged]:

@@ -23,6 +23,13 @@ class ReconcilerPolicy:
     max_delay: float = 300.0
     max_checks: int = 20
     max_unknown_age: timedelta = timedelta(hours=24)
+    # A provider that cannot be asked (webhooks only): wait this long for its notification
+    # before replaying the request inside its key window.
+    webhook_grace: timedelta = timedelta(minutes=2)
+    # Opt-in: void an unknown authorisation (a request with capture_method "manual") of these
+    # operation types this long after its claim, instead of leaving money held. None: never.
+    void_after: timedelta | None = None
+    void_operations: frozenset[str] = frozenset({"payment.create"})
     # Checks of one batch run this many at a time (None: DEFAULT_CONCURRENCY, or the store's
     # pool size if smaller). Each check holds one pooled connection at a time.
     concurrency: int | None = None
@@ -30,6 +37,8 @@ class ReconcilerPolicy:
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.max_checks < 1 or self.base_delay <= 0:
             raise ConfigurationError("reconciler policy: batch, checks and delays must be > 0")
+        if self.void_after is not None and self.void_after < timedelta(0):
+            raise ConfigurationError("reconciler void_after must not be negative")
         if self.concurrency is not None and self.concurrency < 1:
             raise ConfigurationError(
                 f"reconciler concurrency {self.concurrency} must be at least 1"

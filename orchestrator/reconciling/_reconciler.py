@@ -28,13 +28,25 @@ from ..observing import _metrics as metrics
 from ..observing import _tracing as tracing
 from ..operations import REDACTED
 from ..outcome import Decision, settled
-from ..provider import AnswerKind, Provider, StatusQuery
+from ..provider import (
+    AnswerKind,
+    Capability,
+    Provider,
+    StatusQuery,
+    can_query_status,
+    can_void,
+    capabilities_of,
+)
 from ..records import OperationRecord, Redactor
 from ..storage._store import Store
 from ..storage._tables import db_now_plus, operations
 from ._policy import DEFAULT_CONCURRENCY, ReconcileReport, ReconcilerPolicy
+from ._voids import VOID_REQUESTED, run_void, void_due
 
 __all__ = ["ReconcileReport", "Reconciler", "ReconcilerPolicy"]
+
+
+_PAST_DEADLINE = "unknown past the policy's void deadline: release the authorisation"
 
 
 def _pool_size(store: Store) -> int | None:
@@ -260,7 +272,7 @@ class Reconciler:
     # -- one operation ----------------------------------------------------------------
 
     @tracing.instrumented_check
-    def check(self, record: OperationRecord, now: datetime) -> str:
+    def check(self, record: OperationRecord, now: datetime) -> str:  # noqa: PLR0911 - per path
         """Settle one leased operation from evidence; returns what happened (for reports)."""
         if record.state is State.IN_PROGRESS and not record.possibly_sent:
             # No money can have moved, so no outcome is stored for it: released, the
@@ -279,6 +291,13 @@ class Reconciler:
         if provider is None:
             self._reschedule(record, now, kind="check", detail={"error": "provider not configured"})
             return "no_provider"
+        if record.resolution == VOID_REQUESTED and can_void(provider, record.provider_reference):
+            # A void is in flight: send the same void again until its evidence settles it.
+            return run_void(
+                self, record, now, provider, actor=self.owner, reason="the void in flight, again"
+            )
+        if not can_query_status(provider):
+            return self._without_status(record, now, provider)
         started = time.monotonic()
         answer = provider.query_status(
             StatusQuery(
@@ -315,6 +334,18 @@ class Reconciler:
         if decision is not None:
             self._finish(record, decision, kind="status_query", detail=detail, attention=duplicate)
             return decision.state.value
+        if void_due(self, record, provider):
+            # Unsettled past the policy's deadline: release the authorisation instead.
+            record = self._write(
+                record,
+                State.OUTCOME_UNKNOWN,
+                kind="status_query",
+                actor=self.owner,
+                detail=detail,
+                lease=self.policy.lease,
+                lease_owner=self.owner,
+            )
+            return run_void(self, record, now, provider, actor=self.owner, reason=_PAST_DEADLINE)
         if answer.kind is AnswerKind.NOT_FOUND:
             return self._not_found(record, now, provider, detail)
         # PENDING, or the provider is unavailable (AMBIGUOUS / NOT_SENT): look again later.
@@ -328,6 +359,33 @@ class Reconciler:
             attention=duplicate,
         )
         return what
+
+    def _without_status(self, record: OperationRecord, now: datetime, provider: Provider) -> str:
+        """A provider that cannot be asked: wait for its webhook, then replay the identical
+        request inside its key window (its answer is the status), then void where the policy
+        allows, and otherwise keep waiting for evidence, flagged for a human."""
+        if void_due(self, record, provider):
+            return run_void(self, record, now, provider, actor=self.owner, reason=_PAST_DEADLINE)
+        age = self.store.db_time() - record.created_at
+        detail: dict[str, Any] = {"query": "none", "capabilities": "no status query"}
+        if age < self.policy.webhook_grace:
+            detail["decision"] = "the provider cannot be asked: wait for its notification"
+            self._reschedule(record, now, kind="awaiting_evidence", detail=detail)
+            return "awaiting_evidence"
+        window = provider.idempotency_window
+        reason = None
+        if Capability.REPLAY not in capabilities_of(provider):
+            reason = "the provider can neither be asked nor replayed: only its notification"
+        elif window is None or age > window - self.policy.window_margin:
+            reason = "past the provider's idempotency window: a replay could charge twice"
+        elif record.request is None or REDACTED in record.request.values():
+            reason = "stored request is incomplete (redacted): cannot replay it"
+        if reason is not None:
+            detail["decision"] = f"escalate: {reason}; waiting for evidence"
+            self._reschedule(record, now, kind="awaiting_evidence", detail=detail, attention=True)
+            return "escalated"
+        detail["decision"] = "no notification yet, within the key window: replay the request"
+        return self._resend(record, now, provider, detail, window=window, actor_kind="replay")
 
     def _not_found(
         self, record: OperationRecord, now: datetime, provider: Provider, detail: dict[str, Any]
@@ -354,6 +412,19 @@ class Reconciler:
             return "escalated"
         detail["decision"] = "not found after grace, within the key window: re-submit"
         assert window is not None
+        return self._resend(record, now, provider, detail, window=window, actor_kind="resubmission")
+
+    def _resend(
+        self,
+        record: OperationRecord,
+        now: datetime,
+        provider: Provider,
+        detail: dict[str, Any],
+        *,
+        window: timedelta,
+        actor_kind: str,
+    ) -> str:
+        """Send the stored request again under its key, while the window still covers it."""
         still_covered = operations.c.created_at > db_now_plus(
             sa.literal(-(window - self.policy.window_margin).total_seconds())
         )
@@ -361,7 +432,7 @@ class Reconciler:
             moved = self._write(
                 record,
                 State.IN_PROGRESS,
-                kind="resubmit",
+                kind="replay" if actor_kind == "replay" else "resubmit",
                 actor=self.owner,
                 detail=detail,
                 lease=self.policy.lease,
@@ -386,10 +457,11 @@ class Reconciler:
             owner=self.owner,
             lease=self.policy.lease,
             retry=self.submit_retry,
-            actor_kind="resubmission",
+            actor_kind=actor_kind,
             not_sent_is_final=False,
         )
-        return f"resubmitted_{final.state.value}"
+        verb = "replayed" if actor_kind == "replay" else "resubmitted"
+        return f"{verb}_{final.state.value}"
 
     # -- writes -----------------------------------------------------------------------
 
@@ -429,8 +501,10 @@ class Reconciler:
         reference: str | None = None,
         attention: bool = False,
         keep: bool = False,
+        **extra: Any,
     ) -> None:
-        """Count a check without an outcome and schedule the next (``keep``: stay in_progress)."""
+        """Count a check without an outcome and schedule the next (``keep``: stay in_progress);
+        ``extra`` values are written too (e.g. ``resolution``)."""
         checks = record.checks + 1
         delay = backoff_delay(
             checks,
@@ -458,6 +532,7 @@ class Reconciler:
             checks_delta=1,
             needs_attention=flag,
             provider_reference=reference,
+            **extra,
         )
         if escalation is not None:
             metrics.escalated(escalation)

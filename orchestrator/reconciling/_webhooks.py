@@ -39,6 +39,7 @@ from ..records import OperationRecord, Redactor
 from ..storage._engine import read_in_transaction, run_in_transaction
 from ..storage._store import Store
 from ..storage._tables import db_now, operations, webhook_inbox
+from ._voids import VOID_REQUESTED, VOID_RESOLUTION
 
 __all__ = ["WebhookHandler"]
 
@@ -232,6 +233,22 @@ class WebhookHandler:
             return self.store.find_by_reference(tenant_id, provider, event.provider_reference)
         return None
 
+    def _flag(
+        self, inbox: _Inbox, record: OperationRecord, detail: dict[str, Any], *, kind: str
+    ) -> WebhookResult:
+        """Keep the evidence, change nothing else, call a human (a conflict)."""
+        flagged = self.store.flag_attention(
+            record,
+            kind=kind,
+            actor=self.actor,
+            detail=detail,
+            also=inbox.claim(WebhookStatus.CONFLICT),
+        )
+        logs.transition(record, flagged, kind, detail, logger=_log)
+        if not record.needs_attention:
+            metrics.escalated("conflict")
+        return inbox.result(WebhookStatus.CONFLICT, record)
+
     def _apply(self, inbox: _Inbox, event: WebhookEvent, record: OperationRecord) -> WebhookResult:
         assert event.outcome is not None
         detail = {
@@ -246,20 +263,16 @@ class WebhookHandler:
             # What became of the effect afterwards (e.g. a released authorisation).
             detail["lifecycle"] = event.lifecycle
         target = _TARGET.get(event.outcome)
-        if contradicts(record.state, event.outcome):
+        voiding = record.resolution == VOID_REQUESTED and not record.terminal
+        if voiding and event.outcome is AnswerKind.SUCCEEDED and event.lifecycle is None:
+            # A success while our void is in flight: the void's own evidence decides, and a
+            # human must see that the two raced.
+            detail["void_race"] = "a success arrived while the operation's void was in flight"
+            return self._flag(inbox, record, detail, kind="void_race")
+        if contradicts(record.state, event.outcome) and event.lifecycle is None:
             # A second, different final word: keep both, change nothing, call a human.
             detail["conflicts_with"] = record.state.value
-            flagged = self.store.flag_attention(
-                record,
-                kind="conflicting_evidence",
-                actor=self.actor,
-                detail=detail,
-                also=inbox.claim(WebhookStatus.CONFLICT),
-            )
-            logs.transition(record, flagged, "conflicting_evidence", detail, logger=_log)
-            if not record.needs_attention:
-                metrics.escalated("conflict")
-            return inbox.result(WebhookStatus.CONFLICT, record)
+            return self._flag(inbox, record, detail, kind="conflicting_evidence")
         if record.terminal or target is None:
             # Confirms the terminal state, or says "pending": evidence without a change.
             self.store.append_event(
@@ -284,8 +297,9 @@ class WebhookHandler:
             provider_reference=ref,
             response=decision.response,
             error_code=decision.error_code,
-            resolution="webhook",
-            needs_attention=False,  # settled by evidence
+            # A void's notification settles what the void began; a race it lost stays flagged.
+            resolution=VOID_RESOLUTION if voiding else "webhook",
+            needs_attention=record.needs_attention if voiding else False,  # settled by evidence
             also=inbox.claim(WebhookStatus.APPLIED),
         )
         logs.transition(record, updated, "webhook", detail, logger=_log)

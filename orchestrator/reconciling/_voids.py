@@ -1,0 +1,172 @@
+"""Void as a resolution: release an unknown authorisation instead of leaving money held.
+
+A void is persisted before it is sent (the operation's ``resolution`` reads
+``void_requested``), so a crash after sending leaves a mark: the next check sends the same
+void again (its key is a pure function of the operation's), and evidence of a success that
+arrives meanwhile is recorded and flagged instead of settling the operation. The void's own
+answer is evidence like any other: void now (or nothing was ever made under the key) ends
+``failed_final`` with code ``voided``; a void the provider took ends the same way once its
+notification arrives; a refused one leaves the operation unknown and flagged.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from ..core import State
+from ..observing import _metrics as metrics
+from ..outcome import settled
+from ..provider import Answer, AnswerKind, Provider, Voider, VoidRequest, can_void
+from ..records import OperationRecord, Redactor
+
+if TYPE_CHECKING:
+    from ._reconciler import Reconciler
+
+__all__ = [
+    "VOIDED",
+    "VOID_REQUESTED",
+    "VOID_RESOLUTION",
+    "is_authorisation",
+    "run_void",
+    "void_due",
+    "void_refusal",
+]
+
+VOID_REQUESTED = "void_requested"  # resolution of an unknown operation with a void in flight
+VOID_RESOLUTION = "void"  # resolution of an operation settled by its void
+VOIDED = "voided"  # error_code of a voided operation
+
+
+def is_authorisation(record: OperationRecord) -> bool:
+    """Whether the operation only authorised (it asked for a manual capture)."""
+    return (record.request or {}).get("capture_method") == "manual"
+
+
+def void_refusal(  # noqa: PLR0911 - one reason per refusal
+    record: OperationRecord, adapter: object | None
+) -> str | None:
+    """Why ``record`` cannot be voided, or None if it can."""
+    if record.state is State.SUCCEEDED:
+        return (
+            f"operation {record.id} is succeeded (terminal): what it authorised or captured "
+            "is released by a refund or by cancelling it at the provider, not by a void"
+        )
+    if record.terminal:
+        return f"operation {record.id} is {record.state.value} (terminal): nothing is held"
+    if record.state is State.IN_PROGRESS and not record.possibly_sent:
+        return f"operation {record.id} has sent nothing to the provider: there is nothing to void"
+    if not is_authorisation(record):
+        return (
+            f"operation {record.id} captures at once (its capture_method is not manual): if "
+            "it went through, the money moved; a void cannot undo a capture, a refund can"
+        )
+    if adapter is None:
+        return f"provider {record.provider!r} is not configured here"
+    if not can_void(adapter, record.provider_reference):
+        return f"provider {record.provider!r} cannot void an operation"
+    return None
+
+
+def void_due(rec: Reconciler, record: OperationRecord, adapter: Provider) -> bool:
+    """Whether the policy voids ``record`` now: opted in, past its deadline, voidable."""
+    policy = rec.policy
+    if policy.void_after is None or record.operation not in policy.void_operations:
+        return False
+    if rec.store.db_time() - record.created_at < policy.void_after:
+        return False
+    return void_refusal(record, adapter) is None
+
+
+def run_void(
+    rec: Reconciler,
+    record: OperationRecord,
+    now: datetime,
+    adapter: Provider,
+    *,
+    actor: str,
+    reason: str,
+) -> str:
+    """Void a leased operation: mark it, send the void, apply the answer. Returns what
+    happened (``voided``, ``void_pending``, ``void_refused``, ``void_unavailable``)."""
+    request = VoidRequest(
+        tenant_id=record.tenant_id,
+        operation=record.operation,
+        operation_id=record.id,
+        downstream_key=record.downstream_key,
+        provider_reference=record.provider_reference,
+        payload=record.request or {},
+        idempotency_key=record.idempotency_key,
+        fingerprint=record.fingerprint,
+        created_at=record.created_at,
+        reason=reason,
+        actor=actor,
+    )
+    if record.resolution != VOID_REQUESTED:
+        # Persisted before the call, under the lease this check holds.
+        record = rec._write(
+            record,
+            State.OUTCOME_UNKNOWN,
+            kind=VOID_REQUESTED,
+            actor=actor,
+            detail={"reason": reason, "void_key": request.void_key},
+            lease=rec.policy.lease,
+            lease_owner=rec.owner,
+            resolution=VOID_REQUESTED,
+        )
+    assert isinstance(adapter, Voider)
+    started = time.monotonic()
+    answer = adapter.void(request)
+    metrics.for_provider(adapter.name).answered("void", answer.kind, time.monotonic() - started)
+    answer = Redactor.of(record.request).answer(answer)
+    detail: dict[str, Any] = {
+        "query": "void",
+        "duration_ms": round((time.monotonic() - started) * 1000, 1),
+        **answer.evidence(),
+    }
+    detail.pop("possibly_sent", None)
+    if answer.kind is AnswerKind.SUCCEEDED:
+        return _voided(rec, record, answer, detail)
+    if answer.kind is AnswerKind.NOT_FOUND and (
+        rec.store.db_time() - record.created_at >= rec.policy.not_found_grace
+    ):
+        # Past the grace a provider's lookups need, and under a key that is void now.
+        return _voided(rec, record, answer, detail)
+    if answer.kind is AnswerKind.DECLINED:
+        detail["decision"] = f"escalate: the provider refused the void ({answer.code})"
+        rec._reschedule(record, now, kind="void", detail=detail, attention=True, resolution=None)
+        return "void_refused"
+    pending = answer.kind is AnswerKind.PENDING
+    detail["decision"] = (
+        "the provider took the void: its notification settles the operation"
+        if pending
+        else "the void is not confirmed yet: the next check sends it again"
+    )
+    rec._reschedule(record, now, kind="void", detail=detail, reference=answer.provider_reference)
+    return "void_pending" if pending else "void_unavailable"
+
+
+def _voided(
+    rec: Reconciler, record: OperationRecord, answer: Answer, detail: dict[str, Any]
+) -> str:
+    ref = answer.provider_reference or record.provider_reference
+    decision = settled(Answer(kind=AnswerKind.DECLINED, code=VOIDED, provider_reference=ref))
+    assert decision is not None
+    if answer.kind is AnswerKind.NOT_FOUND:
+        detail["decision"] = "nothing was made under the key, and now nothing can be: void"
+    rec._write(
+        record,
+        State.FAILED_FINAL,
+        kind="void",
+        actor=rec.owner,
+        detail=detail,
+        response=decision.response,
+        error_code=decision.error_code,
+        resolution=VOID_RESOLUTION,
+        checks_delta=1,
+        # A late success that raced the void flagged it: that flag stays for a human.
+        needs_attention=record.needs_attention,
+        provider_reference=ref,
+    )
+    return VOIDED

@@ -1,12 +1,14 @@
 """The adapter kit (payorch.testing) run against payorch's own adapters, each through an
-emulator of its provider: the sandbox acquirer."""
+emulator of its provider: the sandbox acquirer, Stripe and Adyen."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
+from adyen_emulator import AdyenEmulator
 from sandbox_emulator import SandboxEmulator, running
+from stripe_emulator import StripeEmulator
 
 from payorch.testing import AdapterContract
 
@@ -15,4 +17,18 @@ class TestSandboxAdapter(AdapterContract):
     @pytest.fixture
     def emulator(self) -> Iterator[SandboxEmulator]:
         with running() as emulator:
+            yield emulator
+
+
+class TestStripeAdapter(AdapterContract):
+    @pytest.fixture
+    def emulator(self) -> Iterator[StripeEmulator]:
+        with StripeEmulator() as emulator:
+            yield emulator
+
+
+class TestAdyenAdapter(AdapterContract):
+    @pytest.fixture
+    def emulator(self) -> Iterator[AdyenEmulator]:
+        with AdyenEmulator() as emulator:
             yield emulator

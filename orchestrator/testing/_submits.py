@@ -29,6 +29,8 @@ from ._support import (
 
 __all__ = ["SubmitContract"]
 
+IN_FLIGHT_KINDS = (AnswerKind.NOT_SENT, AnswerKind.AMBIGUOUS)
+
 
 class SubmitContract(KitBase):
     """Same key, same answer; every fault classified; the window; status queries."""
@@ -69,7 +71,12 @@ class SubmitContract(KitBase):
         key = request.downstream_key
         emulator.inject(fault)
         answer = adapter.submit(request)
-        if fault in NOT_SENT_FAULTS:
+        if fault is Fault.IN_FLIGHT:
+            # This request did nothing, but another under its key is running and may move
+            # money: NOT_SENT (retry the key) or AMBIGUOUS (ask the provider); never final.
+            assert answer.kind in IN_FLIGHT_KINDS, f"{fault.value}: {explain(answer)}"
+            assert emulator.effects(key) == 0
+        elif fault in NOT_SENT_FAULTS:
             assert answer.kind is AnswerKind.NOT_SENT, f"{fault.value}: {explain(answer)}"
             assert emulator.effects(key) == 0
             if fault is Fault.RATE_LIMITED:

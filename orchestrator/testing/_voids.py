@@ -43,12 +43,15 @@ class VoidContract(KitBase):
         assert emulator.effects(request.downstream_key) == 1
 
     def test_a_captured_payment_is_not_voided(self, emulator: Emulator, adapter: Provider) -> None:
-        request = self.payment(emulator)
+        request = self.payment(emulator, capture_method="automatic")
         reference = self.assert_succeeded(adapter.submit(request))
         voider = _voider(adapter, reference)
         answer = voider.void(void_request(request, reference))
-        assert answer.kind is AnswerKind.DECLINED, explain(answer)
-        assert answer.code, f"a refused void says why: {explain(answer)}"
+        # DECLINED, saying why; or PENDING where the provider judges voids later (Adyen's
+        # cancellations arrive by notification). Never SUCCEEDED, and nothing voided.
+        assert answer.kind in (AnswerKind.DECLINED, AnswerKind.PENDING), explain(answer)
+        if answer.kind is AnswerKind.DECLINED:
+            assert answer.code, f"a refused void says why: {explain(answer)}"
         assert not emulator.voided(request.downstream_key)
         assert emulator.effects(request.downstream_key) == 1
 
@@ -59,5 +62,6 @@ class VoidContract(KitBase):
             pytest.skip("the adapter does not void by key")
         request = self.payment(emulator)
         answer = _voider(adapter, None).void(void_request(request))
-        assert answer.kind is AnswerKind.NOT_FOUND, f"nothing under the key: {explain(answer)}"
+        # NOT_FOUND; or PENDING where the provider takes a void by key and answers later.
+        assert answer.kind in (AnswerKind.NOT_FOUND, AnswerKind.PENDING), explain(answer)
         assert emulator.effects(request.downstream_key) == 0

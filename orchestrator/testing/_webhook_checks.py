@@ -21,7 +21,7 @@ from ..provider import AnswerKind, Capability, Provider, WebhookEvent, parse_del
 from ..reconciling._operator import resolve
 from ..reconciling._webhooks import WebhookHandler
 from ..storage._store import Store
-from ._emulator import Emulator, Fault
+from ._emulator import Delivery, Emulator, Fault
 from ._requests import KIT_TENANT
 from ._support import COMMITTED_FAULTS, KitBase, require_capability
 
@@ -57,13 +57,10 @@ class Stack:
         record = self.store.get(KIT_TENANT, outcome.operation_id)
         return record.id, record.downstream_key
 
-    def take(self, emulator: Emulator, keys: Sequence[str]) -> list[WebhookResult]:
-        """The deliveries that report ``keys``, in this order, through the handler: one
-        delivery where the emulator batches, else one per key."""
-        groups = [list(keys)] if emulator.batches else [[k] for k in keys]
+    def take(self, deliveries: Sequence[Delivery]) -> list[WebhookResult]:
+        """Each delivery through the handler's batch API: every item's result, in order."""
         results: list[WebhookResult] = []
-        for group in groups:
-            headers, body = emulator.delivery(group)
+        for headers, body in deliveries:
             taken = self.handler.handle_delivery(KIT_TENANT, self.provider, headers, body)
             assert not taken.rejected, f"refused items: {taken.rejected}"
             assert taken.http_status == 200
@@ -96,6 +93,13 @@ def throwaway_stack(adapter: Provider, directory: Path) -> Iterator[Stack]:
         yield Stack(store=store, executor=executor, handler=handler, provider=adapter.name)
     finally:
         store.close()
+
+
+def deliveries_for(emulator: Emulator, keys: Sequence[str]) -> list[Delivery]:
+    """The deliveries that report ``keys`` in this order: one where the emulator batches,
+    else one per key."""
+    groups = [list(keys)] if emulator.batches else [[k] for k in keys]
+    return [emulator.delivery(group) for group in groups]
 
 
 def _committed_fault(emulator: Emulator) -> Fault:
@@ -190,7 +194,8 @@ class WebhookContract(KitBase):
         with throwaway_stack(adapter, tmp_path) as stack:
             made = [stack.unknown(emulator, fault) for _ in range(3)]
             backwards = list(reversed(made))
-            results = stack.take(emulator, [key for _, key in backwards])
+            deliveries = deliveries_for(emulator, [key for _, key in backwards])
+            results = stack.take(deliveries)
             assert [r.status for r in results] == [WebhookStatus.APPLIED] * 3, results
             assert [r.operation_id for r in results] == [op for op, _ in backwards]
             for op_id, key in made:
@@ -199,8 +204,8 @@ class WebhookContract(KitBase):
                 assert record.provider_reference, "the webhook named the effect"
                 assert stack.settled_by_webhook(op_id) == 1
                 assert emulator.effects(key) == 1
-            # The same deliveries again: duplicates, nothing moves.
-            again = stack.take(emulator, [key for _, key in backwards])
+            # The same deliveries again (the provider re-sends): duplicates, nothing moves.
+            again = stack.take(deliveries)
             assert [r.status for r in again] == [WebhookStatus.DUPLICATE] * 3, again
             assert all(stack.settled_by_webhook(op_id) == 1 for op_id, _ in made)
 
@@ -220,7 +225,7 @@ class WebhookContract(KitBase):
                 reason="adapter kit: decided before the evidence came",
                 actor="adapter-kit",
             )
-            [result] = stack.take(emulator, [key])
+            [result] = stack.take(deliveries_for(emulator, [key]))
             assert result.status is WebhookStatus.CONFLICT, result
             record = stack.store.get(KIT_TENANT, op_id)
             assert record.state is State.FAILED_FINAL, "evidence never rewrites a final state"

@@ -233,6 +233,59 @@ def recheck_cmd(
         console.print(Text(f"  {row['time']}  {row['kind']}  by {row['actor']}  {row['evidence']}"))
 
 
+@ops_app.command("void")
+def void_cmd(
+    *,
+    operation_id: OperationId,
+    reason: Annotated[
+        str,
+        typer.Option(
+            callback=_not_blank, help="Why (kept in the audit event).", show_default=False
+        ),
+    ],
+    actor: Annotated[
+        str | None,
+        typer.Option(
+            callback=_not_blank, help="Who decides (default: the login name).", show_default=False
+        ),
+    ] = None,
+    tenant: Tenant = None,
+    database_url: DatabaseUrl = None,
+    json_: JsonFlag = False,
+) -> None:
+    """Void an unknown authorisation at the provider (audited), instead of leaving it held."""
+    who = actor or default_actor()
+    config = settings()
+    with (
+        open_store(database_url) as store,
+        reconciler(store, config, owner=f"operator:{who}") as rec,
+    ):
+        record, _ = operator.load(store, tenant, operation_id)
+        seen = {e.id for e in store.events(record.tenant_id, record.id)}
+        result = operator.void(store, rec, record.tenant_id, record.id, reason=reason, actor=who)
+        timeline = [e for e in store.events(record.tenant_id, record.id) if e.id not in seen]
+    after = result.record
+    if json_:
+        render.print_json(
+            {
+                "outcome": result.outcome,
+                "from_state": result.before.state.value,
+                "operation": after.to_dict(),
+                "events": [e.to_dict() for e in timeline],
+            }
+        )
+        return
+    console = out()
+    console.print(
+        Text(
+            f"{after.id}: {result.before.state.value} -> {after.state.value} "
+            f"(void: {result.outcome}); provider ref {after.provider_reference or '-'}"
+        )
+    )
+    for row in render.event_rows(timeline):
+        console.print(Text(f"  {row['time']}  {row['kind']}  by {row['actor']}  {row['evidence']}"))
+
+
 @ops_app.command("resolve")
 def resolve_cmd(
     *,

@@ -140,7 +140,7 @@ def default_actor() -> str:
 
 
 def build_providers(config: Settings) -> list[Provider]:
-    """The sandbox adapter always; Stripe when an API key is configured."""
+    """The sandbox adapter always; Stripe and Adyen when their API keys are configured."""
     from ..providers.sandbox import SandboxProvider
 
     providers: list[Provider] = [
@@ -156,6 +156,21 @@ def build_providers(config: Settings) -> list[Provider]:
                 webhook_secret=config.stripe_webhook_secret,
                 base_url=config.stripe_base_url,
                 idempotency_window=timedelta(seconds=window) if window > 0 else None,
+            )
+        )
+    if config.adyen_api_key:
+        from ..providers.adyen import AdyenProvider
+
+        if not config.adyen_merchant_account or not config.adyen_hmac_key:
+            raise ConfigurationError(
+                "Adyen needs PAYORCH_ADYEN_MERCHANT_ACCOUNT and PAYORCH_ADYEN_HMAC_KEY too"
+            )
+        providers.append(
+            AdyenProvider(
+                api_key=config.adyen_api_key,
+                merchant_account=config.adyen_merchant_account,
+                hmac_key=config.adyen_hmac_key,
+                base_url=config.adyen_base_url,
             )
         )
     return providers
@@ -180,6 +195,10 @@ def reconciler(
         max_checks=config.max_checks,
         max_unknown_age=timedelta(seconds=config.max_unknown_age_seconds),
         concurrency=concurrency if concurrency is not None else config.reconcile_concurrency,
+        webhook_grace=timedelta(seconds=config.webhook_grace_seconds),
+        void_after=(
+            timedelta(seconds=config.void_after_seconds) if config.void_after_seconds else None
+        ),
     )
     providers = build_providers(config)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["Settings"]
@@ -44,6 +44,12 @@ class Settings(BaseSettings):
     not_found_grace_seconds: float = Field(default=60.0, ge=0)
     max_checks: int = Field(default=20, gt=0)
     max_unknown_age_seconds: float = Field(default=24 * 3600.0, gt=0)
+    # A provider that cannot be asked (webhooks only): wait this long for its notification
+    # before replaying the request inside its key window.
+    webhook_grace_seconds: float = Field(default=120.0, ge=0, allow_inf_nan=False)
+    # Opt-in (0: never): void an unknown authorisation (capture_method "manual") this many
+    # seconds after its claim, where its provider can void, instead of leaving money held.
+    void_after_seconds: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     # `payorch reconcile run` looks for provider effects no operation explains every this
     # many seconds (0: never), over the trailing window, at the providers named (comma
     # separated; empty: every configured one that can list), and adopts them when asked.
@@ -61,3 +67,23 @@ class Settings(BaseSettings):
     stripe_idempotency_window_seconds: float = Field(
         default=24 * 3600.0, ge=0, le=366 * 86400.0, allow_inf_nan=False
     )
+    # Adyen (Checkout API and standard notifications): configured when an API key is set.
+    adyen_api_key: str | None = None
+    adyen_merchant_account: str | None = None
+    # The notification HMAC key, hex as the Customer Area shows it; anything else is refused
+    # at start-up.
+    adyen_hmac_key: str | None = None
+    adyen_base_url: str = "http://127.0.0.1:8766"
+
+    @field_validator("adyen_hmac_key")
+    @classmethod
+    def _hex_key(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            ok = bool(value) and len(bytes.fromhex(value)) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError("PAYORCH_ADYEN_HMAC_KEY must be the hex HMAC key (e.g. 44782D…)")
+        return value

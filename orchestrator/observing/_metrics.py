@@ -202,7 +202,7 @@ class ProviderMetrics(_Nothing):
     __slots__ = ("_answers", "_retries", "_seconds")
 
     def __init__(self, provider: str) -> None:
-        calls = ("submit", "status")
+        calls = ("submit", "status", "void")
         self._answers = {
             (c, k): ANSWERS.labels(provider, c, k.value) for c in calls for k in AnswerKind
         }

@@ -31,10 +31,12 @@ from ..storage._statements import add_event
 from ..storage._store import Store
 from ..storage._tables import db_now, operations
 from ._reconciler import Reconciler
+from ._voids import run_void, void_refusal
 
 __all__ = [
     "ACKNOWLEDGED_EVENT",
     "RESOLUTION_EVENT",
+    "VOID_EVENT",
     "RecheckResult",
     "acknowledge",
     "check_acknowledgeable",
@@ -42,10 +44,12 @@ __all__ = [
     "load",
     "recheck",
     "resolve",
+    "void",
 ]
 
 RESOLUTION_EVENT = "operator_resolution"
 RECHECK_EVENT = "operator_recheck"
+VOID_EVENT = "operator_void"  # the lease an operator's void takes
 ACKNOWLEDGED_EVENT = "acknowledged"
 MAX_ACTOR = 200  # payorch_events.actor
 MAX_REASON = 2000
@@ -255,6 +259,51 @@ def recheck(
         lease_seconds=reconciler.policy.lease.total_seconds(),
     )
     outcome = reconciler.check(leased, now)
+    return RecheckResult(
+        outcome=outcome, before=record, record=store.get(record.tenant_id, record.id)
+    )
+
+
+def void(
+    store: Store,
+    reconciler: Reconciler,
+    tenant_id: str | None,
+    operation_id: str,
+    *,
+    reason: str,
+    actor: str,
+) -> RecheckResult:
+    """Void an unknown authorisation at the provider now, audited (actor and reason).
+
+    Refused with the reason, before anything is written or sent: a terminal operation
+    (succeeded: a refund undoes it; failed: nothing is held), one that captures at once, one
+    that sent nothing, one whose provider cannot void, one leased right now. The void's
+    answer is applied as the reconciler applies it (``voided``, ``void_pending``, …).
+    """
+    reason = required_text(reason, "reason", MAX_REASON, "a void")
+    actor = required_text(actor, "actor", MAX_ACTOR, "a void")
+    record, now = load(store, tenant_id, operation_id)
+    adapter = reconciler.providers.get(record.provider)
+    refusal = void_refusal(record, adapter)
+    if refusal is not None:
+        raise InvalidTransition(f"cannot void: {refusal}", operation_id=record.id)
+    assert adapter is not None
+    remaining = _lease_remaining(record, now)
+    if remaining > 0:
+        raise OperationInProgress(
+            f"operation {record.id} is leased by {record.lease_owner} for {remaining:.0f}s more",
+            operation_id=record.id,
+            retry_after=max(1.0, round(remaining, 1)),
+        )
+    leased, now = store.lease_one(
+        record,
+        owner=reconciler.owner,
+        lease=reconciler.policy.lease,
+        kind=VOID_EVENT,
+        actor=actor,
+        detail={"reason": reason, "lease_owner": reconciler.owner},
+    )
+    outcome = run_void(reconciler, leased, now, adapter, actor=actor, reason=reason)
     return RecheckResult(
         outcome=outcome, before=record, record=store.get(record.tenant_id, record.id)
     )

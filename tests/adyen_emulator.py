@@ -148,7 +148,8 @@ class AdyenEmulator:
         if self._httpd is not None:
             raise RuntimeError("an AdyenEmulator starts once")
         self._httpd = _Server(("127.0.0.1", 0), self)
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        serve = self._httpd.serve_forever
+        self._thread = threading.Thread(target=serve, args=(0.02,), daemon=True)
         self._thread.start()
 
     def stop(self) -> None:

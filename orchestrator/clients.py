@@ -22,13 +22,26 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 
 from .forks import reset_in_child
 
-__all__ = ["DeadlineExceeded", "HttpClients", "asend_with_deadline", "send_with_deadline"]
+__all__ = [
+    "RAW_EVIDENCE_LIMIT",
+    "DeadlineExceeded",
+    "HttpClients",
+    "asend_with_deadline",
+    "bounded_raw",
+    "call_budget",
+    "parse_retry_after",
+    "send_with_deadline",
+    "unix_time",
+]
+
+RAW_EVIDENCE_LIMIT = 4096  # bytes of a raw provider body kept as evidence
 
 
 _SLACK = 0.01  # a capped time-out that fires this close to the deadline is the deadline's
@@ -368,3 +381,46 @@ class HttpClients:
             self._sync = None
         if self._renews_async:
             self._async = None
+
+
+# -- small readings of what a provider sent (re-exported by payorch.provider) ----------
+
+
+def call_budget(timeout: httpx.Timeout) -> timedelta:
+    """Every phase of ``timeout`` added up: the adapters' default call deadline.
+
+    Not a bound by itself (read and write time-outs apply per socket operation); the
+    deadline of :func:`send_with_deadline` is.
+    """
+    phases = (timeout.connect, timeout.write, timeout.read, timeout.pool)
+    if any(p is None for p in phases):
+        raise ValueError("every httpx time-out phase must be set explicitly")
+    return timedelta(seconds=sum(float(p) for p in phases if p is not None))
+
+
+def unix_time(value: object) -> datetime | None:
+    """A provider's Unix timestamp (seconds) as an aware UTC datetime; None when it is not
+    one or is out of range (a provider's ``created``: evidence, never trusted blindly)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        return datetime.fromtimestamp(value, tz=UTC)
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+def bounded_raw(text: str | bytes | None) -> str | None:
+    if text is None:
+        return None
+    if isinstance(text, bytes):
+        text = text[:RAW_EVIDENCE_LIMIT].decode("utf-8", errors="replace")
+    return text[:RAW_EVIDENCE_LIMIT]
+
+
+def parse_retry_after(value: str | None, default: float = 1.0) -> float:
+    if value is None:
+        return default
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return default

@@ -34,7 +34,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import http_sf
 
@@ -363,6 +363,7 @@ def webhook_answer(result: WebhookResult | WebhookDelivery | PayorchError) -> Ht
         return _error_answer(result)
     if not hasattr(result, "status"):
         return _delivery_answer(result)
+    result = cast("WebhookResult", result)
     body: dict[str, Any] = {"status": result.status.value, "event_id": result.event_id}
     headers: dict[str, str] = {}
     if result.operation_id is not None:

@@ -15,12 +15,21 @@ import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
-from .clients import DeadlineExceeded, asend_with_deadline, send_with_deadline
+from .clients import (
+    RAW_EVIDENCE_LIMIT,
+    DeadlineExceeded,
+    asend_with_deadline,
+    bounded_raw,
+    call_budget,
+    parse_retry_after,
+    send_with_deadline,
+    unix_time,
+)
 from .core import downstream_key as derive_downstream_key
 from .core import is_namespace_key
 from .errors import InvalidRequest, ProviderListingFailed, WebhookMalformed, WebhookRejected
@@ -71,8 +80,6 @@ __all__ = [
     "send_with_deadline",
     "unix_time",
 ]
-
-RAW_EVIDENCE_LIMIT = 4096  # bytes of a raw provider body kept as evidence
 
 
 class AnswerKind(enum.StrEnum):
@@ -233,13 +240,8 @@ class WebhookEvent:
 
 
 class Capability(enum.StrEnum):
-    """What an adapter can do to learn or settle an operation's outcome (its ``capabilities``).
-
-    The reconciler takes the strongest safe path these allow: a status query where it can
-    ask, a replay of the identical request inside the idempotency window where the provider
-    answers a repeat with the first outcome, a void past a deadline where the policy allows
-    it, and otherwise it waits for a webhook and escalates.
-    """
+    """What an adapter can do to learn or settle an outcome (its ``capabilities``); the
+    reconciler takes the strongest safe path they allow (docs/providers.md)."""
 
     STATUS_BY_REFERENCE = "status_by_reference"  # read an effect by the provider's own id
     STATUS_BY_KEY = "status_by_key"  # find an effect by our downstream key or metadata
@@ -253,19 +255,14 @@ class Capability(enum.StrEnum):
 
 STATUS_CAPABILITIES = frozenset({Capability.STATUS_BY_REFERENCE, Capability.STATUS_BY_KEY})
 VOID_CAPABILITIES = frozenset({Capability.VOID_BY_KEY, Capability.VOID_BY_REFERENCE})
-# An adapter that declares none: what every adapter before capabilities could do.
-DEFAULT_CAPABILITIES = frozenset(
-    {Capability.STATUS_BY_REFERENCE, Capability.STATUS_BY_KEY, Capability.WEBHOOKS}
-)
+DEFAULT_CAPABILITIES = STATUS_CAPABILITIES | {Capability.WEBHOOKS}  # when none is declared
 
 
 def capabilities_of(adapter: object) -> frozenset[Capability]:
     """The adapter's declared ``capabilities``, or :data:`DEFAULT_CAPABILITIES` if it
     declares none (an adapter written before they existed answers status queries)."""
     declared = getattr(adapter, "capabilities", None)
-    if declared is None:
-        return DEFAULT_CAPABILITIES
-    return frozenset(Capability(c) for c in declared)
+    return DEFAULT_CAPABILITIES if declared is None else frozenset(map(Capability, declared))
 
 
 def can_query_status(adapter: object) -> bool:
@@ -276,13 +273,8 @@ def can_query_status(adapter: object) -> bool:
 def can_void(adapter: object, provider_reference: str | None) -> bool:
     """Whether the adapter can void an operation known by ``provider_reference`` (or None)."""
     caps = capabilities_of(adapter)
-    if not callable(getattr(adapter, "void", None)) and not callable(
-        getattr(adapter, "avoid", None)
-    ):
-        return False
-    if Capability.VOID_BY_KEY in caps:
-        return True
-    return Capability.VOID_BY_REFERENCE in caps and bool(provider_reference)
+    by_ref = Capability.VOID_BY_REFERENCE in caps and bool(provider_reference)
+    return isinstance(adapter, Voider | AsyncVoider) and (Capability.VOID_BY_KEY in caps or by_ref)
 
 
 @runtime_checkable
@@ -345,13 +337,8 @@ class AsyncProvider(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class VoidRequest(StatusQuery):
-    """Cancel the uncaptured authorisation an operation may have made (:class:`Voider`).
-
-    Sent when the outcome is unknown (or an operator asks): the provider holds either
-    nothing under the operation's key, or an authorisation to release. ``void_key`` is the
-    idempotency key of the void itself, a pure function of the operation's key, so a void
-    re-sent after a crash is the same void.
-    """
+    """Cancel the uncaptured authorisation an operation may have made (:class:`Voider`);
+    ``void_key``, the void's own idempotency key, is a pure function of the operation's."""
 
     reason: str = ""
     actor: str = ""
@@ -388,9 +375,9 @@ class AsyncVoider(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class WebhookItem:
-    """One event of a delivery: its verified event, or why it was refused."""
+    """One event of a delivery (at ``index``): its verified event, or why it was refused."""
 
-    index: int  # its position in the delivery
+    index: int
     event: WebhookEvent | None = None
     rejected: WebhookRejected | None = None
 
@@ -401,13 +388,8 @@ class WebhookItem:
 
 @dataclass(frozen=True, kw_only=True)
 class WebhookBatch:
-    """What one delivery carried: each item verified on its own.
-
-    ``acknowledgement`` is the body the provider expects once every item was taken (Adyen's
-    ``[accepted]``); None answers payorch's JSON summary. A delivery with a refused item
-    is answered with that item's error status, so the provider sends it again; the items
-    already applied are then duplicates in the inbox.
-    """
+    """What one delivery carried, each item verified on its own. ``acknowledgement``: the
+    body the provider expects once every item was taken (``[accepted]``), or None (JSON)."""
 
     items: tuple[WebhookItem, ...]
     acknowledgement: str | None = None
@@ -424,15 +406,17 @@ class BatchWebhooks(Protocol):
     def parse_webhooks(self, headers: Mapping[str, str], body: bytes) -> WebhookBatch: ...
 
 
-def parse_deliveries(adapter: Provider, headers: Mapping[str, str], body: bytes) -> WebhookBatch:
+def parse_deliveries(
+    adapter: Provider | AsyncProvider, headers: Mapping[str, str], body: bytes
+) -> WebhookBatch:
     """A delivery as a batch: ``parse_webhooks`` where the adapter has it, else the one
     event ``parse_webhook`` verifies (whose rejection rejects the delivery)."""
-    if isinstance(adapter, BatchWebhooks):
-        batch = adapter.parse_webhooks(headers, body)
-        if not batch.items:
-            raise WebhookMalformed("the delivery carries no event")
-        return batch
-    return WebhookBatch(items=(WebhookItem(index=0, event=adapter.parse_webhook(headers, body)),))
+    batch = adapter.parse_webhooks(headers, body) if isinstance(adapter, BatchWebhooks) else None
+    if batch is not None and not batch.items:
+        raise WebhookMalformed("the delivery carries no event")
+    return batch or WebhookBatch(
+        items=(WebhookItem(index=0, event=adapter.parse_webhook(headers, body)),)
+    )
 
 
 # Never kept with an effect's evidence: a PaymentIntent's client secret lets its holder
@@ -545,46 +529,6 @@ def bounded_object(obj: Mapping[str, Any]) -> dict[str, Any]:
     small["metadata"] = payorch_tags_of(kept.get("metadata"))
     small["truncated"] = True
     return small
-
-
-def call_budget(timeout: httpx.Timeout) -> timedelta:
-    """Every phase of ``timeout`` added up: the adapters' default call deadline.
-
-    Not a bound by itself (read and write time-outs apply per socket operation); the
-    deadline of :func:`send_with_deadline` is.
-    """
-    phases = (timeout.connect, timeout.write, timeout.read, timeout.pool)
-    if any(p is None for p in phases):
-        raise ValueError("every httpx time-out phase must be set explicitly")
-    return timedelta(seconds=sum(float(p) for p in phases if p is not None))
-
-
-def unix_time(value: object) -> datetime | None:
-    """A provider's Unix timestamp (seconds) as an aware UTC datetime; None when it is not
-    one or is out of range (a provider's ``created``: evidence, never trusted blindly)."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return None
-    try:
-        return datetime.fromtimestamp(value, tz=UTC)
-    except (OverflowError, OSError, ValueError):
-        return None
-
-
-def bounded_raw(text: str | bytes | None) -> str | None:
-    if text is None:
-        return None
-    if isinstance(text, bytes):
-        text = text[:RAW_EVIDENCE_LIMIT].decode("utf-8", errors="replace")
-    return text[:RAW_EVIDENCE_LIMIT]
-
-
-def parse_retry_after(value: str | None, default: float = 1.0) -> float:
-    if value is None:
-        return default
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        return default
 
 
 # Errors raised before a byte of the request could reach the provider.

@@ -54,6 +54,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "providers": frozenset({"base", "observing"}),
     "over": frozenset({"base", "observing", "storage", "execution", "reconciling"}),
     "migrations": frozenset({"base", "observing", "storage", "over"}),
+    # The adapter kit drives an adapter through a real store, executor and webhook handler.
+    "testing": frozenset({"base", "observing", "storage", "execution", "reconciling", "over"}),
     "cli": frozenset(
         {
             "root",
@@ -221,7 +223,7 @@ def layer(name: str) -> str:
     parts = name.split(".")
     if name == "payorch":
         return "root"
-    if parts[1] in ("cli", "providers", "migrations"):
+    if parts[1] in ("cli", "providers", "migrations", "testing"):
         return parts[1]
     if parts[1] in WINGS:
         return parts[1]

@@ -385,6 +385,7 @@ class Reconciler:
             self._reschedule(record, now, kind="awaiting_evidence", detail=detail, attention=True)
             return "escalated"
         detail["decision"] = "no notification yet, within the key window: replay the request"
+        assert window is not None
         return self._resend(record, now, provider, detail, window=window, actor_kind="replay")
 
     def _not_found(

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import time
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..core import State
 from ..observing import _metrics as metrics
 from ..outcome import settled
 from ..provider import Answer, AnswerKind, Provider, Voider, VoidRequest, can_void
 from ..records import OperationRecord, Redactor
-
-if TYPE_CHECKING:
-    from ._reconciler import Reconciler
+from ..storage._store import Store
+from ._policy import ReconcilerPolicy
 
 __all__ = [
     "VOIDED",
@@ -33,6 +32,30 @@ __all__ = [
     "void_due",
     "void_refusal",
 ]
+
+
+class Reconciler(Protocol):
+    """What a void needs of the reconciler that runs it (``_reconciler.Reconciler``)."""
+
+    store: Store
+    policy: ReconcilerPolicy
+    owner: str
+
+    def _write(self, record: OperationRecord, state: State, **values: Any) -> OperationRecord: ...
+
+    def _reschedule(
+        self,
+        record: OperationRecord,
+        now: datetime,
+        *,
+        kind: str,
+        detail: dict[str, Any],
+        reference: str | None = None,
+        attention: bool = False,
+        keep: bool = False,
+        **extra: Any,
+    ) -> None: ...
+
 
 VOID_REQUESTED = "void_requested"  # resolution of an unknown operation with a void in flight
 VOID_RESOLUTION = "void"  # resolution of an operation settled by its void

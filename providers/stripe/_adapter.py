@@ -91,6 +91,8 @@ class StripeProvider:
     is not closed by :meth:`close`, and every request still uses this adapter's ``timeout``.
     It is also an :class:`payorch.provider.AsyncProvider` (``asubmit``, ``aquery_status``;
     ``async_client`` / ``async_transport``): one flow per call, driven sync or async.
+    ``void`` / ``avoid`` cancel a payment.create's uncaptured PaymentIntent (a
+    :class:`payorch.provider.Voider`); ``capabilities`` says so (:data:`CAPABILITIES`).
     """
 
     def __init__(

@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from payorch.core import downstream_key, namespace_ref
@@ -234,6 +234,7 @@ _items = st.fixed_dictionaries(
 )
 
 
+@settings(max_examples=50)
 @given(item=_items, key=st.binary(min_size=32, max_size=32))
 def test_signatures_agree_with_the_official_package(item: dict[str, Any], key: bytes) -> None:
     try:

@@ -32,7 +32,7 @@ from payorch.storage._store import Store
 from payorch.storage._tables import events, operations, webhook_inbox
 
 # Fixtures shared by one family of test modules, kept beside that family's helpers.
-pytest_plugins = ["stripe_helpers", "unexplained_helpers"]
+pytest_plugins = ["stripe_helpers", "unexplained_helpers", "stripe_emulator", "adyen_emulator"]
 
 # Hypothesis draws the same examples on every run, everywhere (not only in CI): seeded from
 # each test (derandomize), no example database carried from run to run, no per-example

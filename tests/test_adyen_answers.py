@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +16,7 @@ from payorch.core import downstream_key, namespace_ref
 from payorch.errors import ConfigurationError
 from payorch.outcome import REFUSED_BEFORE_SENDING
 from payorch.provider import (
+    TAG_KEY,
     AnswerKind,
     Capability,
     StatusQuery,
@@ -166,8 +168,25 @@ def test_a_payment_carries_the_key_as_idempotency_key_and_reference(
     assert body["paymentMethod"] == {"type": "scheme", "storedPaymentMethodId": "8315"}
     assert body["shopperReference"] == "shopper-1"
     assert body["returnUrl"] == "https://shop.invalid/return"
-    assert body["metadata"] == {"order": "17", **request.tags}
+    tags = {("payorch_key" if k == TAG_KEY else k): v for k, v in request.tags.items()}
+    assert body["metadata"] == {"order": "17", **tags}
+    assert all(len(k) <= 20 and len(v) <= 80 for k, v in body["metadata"].items())
     assert "additionalData" not in body  # automatic capture: Adyen's default
+
+
+def test_metadata_fits_adyens_limits(adyen: AdyenProvider, router: respx.Router) -> None:
+    route = router.post("/payments").mock(return_value=payment("Authorised"))
+    # A client key longer than Adyen holds: its tag is left out, the reference stays.
+    request = dataclasses.replace(submit(), idempotency_key="k" * 120)
+    adyen.submit(request)
+    body = json.loads(route.calls.last.request.content)
+    assert "payorch_key" not in body["metadata"]
+    assert body["reference"] == request.downstream_key
+    # The caller's own entries that do not fit are refused before anything is sent.
+    for metadata in ({"k" * 21: "v"}, {"order": "v" * 81}, {f"m{i}": "v" for i in range(20)}):
+        answer = adyen.submit(submit(metadata=metadata))
+        assert answer.kind is AnswerKind.NOT_SENT and answer.code == "invalid_request"
+    assert route.call_count == 1
 
 
 def test_manual_capture_asks_adyen_for_it(adyen: AdyenProvider, router: respx.Router) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ConfigurationError
-from ...provider import TAG_LEGACY_OPERATION_ID, SubmitRequest, VoidRequest
+from ...provider import TAG_KEY, TAG_LEGACY_OPERATION_ID, SubmitRequest, VoidRequest
 from ._classify import PAYMENT_CAPTURE, PAYMENT_CREATE, SUPPORTED_OPERATIONS
 
 __all__ = [
@@ -115,8 +115,21 @@ def _psp(value: object, name: str) -> str:
     return value
 
 
+# Adyen's metadata limits: at most 20 entries, keys of 20 characters, values of 80.
+MAX_METADATA = 20
+MAX_METADATA_KEY = 20
+MAX_METADATA_VALUE = 80
+# payorch's tags under keys Adyen can hold (payorch_idempotency_key is 23 characters).
+_TAG_KEYS = {TAG_KEY: "payorch_key"}
+
+
 def _metadata(request: SubmitRequest) -> dict[str, str]:
-    """The caller's metadata (if any) and payorch's tags; ours come last and win."""
+    """The caller's metadata (if any) and payorch's tags; ours come last and win.
+
+    The caller's entries must fit Adyen's limits (refused before sending otherwise); a tag
+    whose value does not fit (a client key over 80 characters) is left out: the reference
+    (the downstream key) is what finds the payment again, the tags only explain it.
+    """
     out: dict[str, str] = {}
     extra = request.payload.get("metadata")
     if extra is not None:
@@ -125,11 +138,21 @@ def _metadata(request: SubmitRequest) -> dict[str, str]:
         for key, value in extra.items():
             if not isinstance(key, str) or not key or not isinstance(value, str):
                 raise InvalidPayload(f"metadata[{key!r}] must be a string under a string key")
+            if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
+                raise InvalidPayload(
+                    f"metadata[{key!r}]: Adyen holds keys of at most {MAX_METADATA_KEY} "
+                    f"characters and values of at most {MAX_METADATA_VALUE}"
+                )
             if not key.startswith("payorch_"):
                 out[key] = value
-    out.update(request.tags)
-    if TAG_LEGACY_OPERATION_ID in request.tags:
-        out["payorch_operation"] = request.operation
+    tags = dict(request.tags)
+    if TAG_LEGACY_OPERATION_ID in tags:
+        tags["payorch_operation"] = request.operation
+    for key, value in tags.items():
+        if len(value) <= MAX_METADATA_VALUE:
+            out[_TAG_KEYS.get(key, key)] = value
+    if len(out) > MAX_METADATA:
+        raise InvalidPayload(f"Adyen holds at most {MAX_METADATA} metadata entries, not {len(out)}")
     return out
 
 

@@ -316,3 +316,34 @@ def test_inject_adds_nothing_outside_a_span() -> None:
     assert tracing.inject({"a": "b"}) == {"a": "b"}
     assert trace.get_current_span() is trace.INVALID_SPAN
     assert tracing.downstream_key_hash("k") == hashlib.sha256(b"k").hexdigest()[:16]
+
+
+def test_a_batched_delivery_is_one_span_saying_what_it_carried(
+    store: Store, adyen_emulator: Any, spans: InMemorySpanExporter
+) -> None:
+    from payorch.reconciling._webhooks import WebhookHandler
+    from payorch.testing import Fault
+
+    with adyen_emulator.adapter() as adyen:
+        executor = Executor(store=store, providers=[adyen], lease=timedelta(seconds=60))
+        keys = []
+        for key in ("trace-a1", "trace-a2"):
+            adyen_emulator.inject(Fault.DROP_AFTER_COMMIT)
+            outcome = executor.execute(
+                tenant_id="shop",
+                operation="payment.create",
+                idempotency_key=key,
+                request=adyen_emulator.payload("payment.create"),
+                provider="adyen",
+            )
+            keys.append(store.get("shop", outcome.operation_id).downstream_key)
+        spans.clear()
+        headers, body = adyen_emulator.delivery(keys, tampered={1})
+        handler = WebhookHandler(store=store, providers=[adyen])
+        delivery = handler.handle_delivery("shop", "adyen", headers, body)
+    assert len(delivery.results) == 1 and len(delivery.rejected) == 1
+    [span] = named(list(spans.get_finished_spans()), "payorch.webhook")
+    got = attrs(span)
+    assert got["payorch.items"] == 2 and got["payorch.refused"] == 1
+    assert got["payorch.status"] == "applied"
+    assert got["payorch.error"] == "WebhookSignatureInvalid"

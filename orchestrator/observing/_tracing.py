@@ -38,7 +38,7 @@ from . import _logs as logs
 
 if TYPE_CHECKING:
     from ..core import State
-    from ..outcome import Outcome, WebhookResult
+    from ..outcome import Outcome, WebhookDelivery, WebhookResult
     from ..provider import Answer, SubmitRequest
     from ..records import OperationRecord
 
@@ -52,6 +52,7 @@ __all__ = [
     "enabled",
     "inject",
     "instrumented_check",
+    "instrumented_delivery",
     "instrumented_execute",
     "instrumented_webhook",
     "record",
@@ -203,6 +204,50 @@ def instrumented_execute(fn: Callable[P, Outcome]) -> Callable[P, Outcome]:
             return outcome
 
     return execute
+
+
+def instrumented_delivery(
+    fn: Callable[..., WebhookDelivery],
+) -> Callable[..., WebhookDelivery]:
+    """``WebhookHandler.handle_delivery(tenant_id, provider, headers, body)`` under a
+    ``payorch.webhook`` span: a delivery of one event reads as ``handle``'s does; a batch
+    says how many items it carried and how many were refused."""
+
+    @functools.wraps(fn)
+    def handle(
+        self: Any, tenant_id: str, provider: str, headers: Mapping[str, str], body: bytes
+    ) -> WebhookDelivery:
+        tracer = _tracer()
+        if tracer is None:
+            return fn(self, tenant_id, provider, headers, body)
+        attributes = {"payorch.tenant_id": tenant_id, "payorch.provider": provider}
+        with tracer.start_as_current_span(
+            "payorch.webhook",
+            attributes=attributes,
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            try:
+                delivery = fn(self, tenant_id, provider, headers, body)
+            except Exception as exc:
+                _refused(span, exc)
+                raise
+            items = len(delivery.results) + len(delivery.rejected)
+            set_attributes(span, items=items, refused=len(delivery.rejected))
+            if len(delivery.results) == 1:
+                result = delivery.results[0]
+                set_attributes(
+                    span,
+                    status=result.status.value,
+                    event_id=result.event_id,
+                    operation_id=result.operation_id,
+                    state=result.state.value if result.state is not None else None,
+                )
+            if delivery.rejected:
+                _refused(span, delivery.rejected[0][1])
+        return delivery
+
+    return handle
 
 
 def _refused(span: SpanLike, exc: Exception) -> None:

@@ -130,6 +130,7 @@ class WebhookHandler:
             raise delivery.rejected[0][1]
         return delivery.results[0]
 
+    @tracing.instrumented_delivery
     def handle_delivery(
         self, tenant_id: str, provider: str, headers: Mapping[str, str], body: bytes
     ) -> WebhookDelivery:
@@ -143,11 +144,17 @@ class WebhookHandler:
         """
         try:
             batch = self._parse(tenant_id, provider, headers, body)
-        except WebhookRejected as exc:
-            metrics.webhook_counted(provider if provider in self.providers else None, "rejected")
+        except Exception as exc:  # a delivery unread, or a provider not configured
+            status = "rejected" if isinstance(exc, WebhookRejected) else "error"
+            metrics.webhook_counted(provider if provider in self.providers else None, status)
             logs.webhook_refused(tenant_id, provider, exc)
             raise
-        delivery = self._deliver(tenant_id, provider, batch)
+        try:
+            delivery = self._deliver(tenant_id, provider, batch)
+        except Exception as exc:  # storage trouble: 503, and the provider sends it again
+            metrics.webhook_counted(provider, "error")
+            logs.webhook_refused(tenant_id, provider, exc)
+            raise
         for result in delivery.results:
             metrics.webhook_counted(provider, result.status.value)
             logs.webhook(tenant_id, provider, result)

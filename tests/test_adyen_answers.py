@@ -309,12 +309,14 @@ def test_an_undocumented_result_code_is_no_outcome(
 
 
 @pytest.mark.parametrize("status", [409, 422])
-def test_704_with_transient_error_is_not_sent(
+def test_704_with_transient_error_is_possibly_sent_and_retried_later(
     adyen: AdyenProvider, router: respx.Router, status: int
 ) -> None:
+    # The key's first request is still being processed: it may move money; the same key
+    # (a replay) answers it later. Never "not sent".
     router.post("/payments").mock(error(status, "704", Transient_Error="true", Retry_After="3"))
     answer = adyen.submit(submit())
-    assert (answer.kind, answer.code, answer.retry_after) == (AnswerKind.NOT_SENT, "704", 3.0)
+    assert (answer.kind, answer.code, answer.retry_after) == (AnswerKind.AMBIGUOUS, "704", 3.0)
 
 
 @pytest.mark.parametrize("status", [409, 422])
@@ -335,7 +337,9 @@ def test_704_without_transient_error_is_ambiguous(
         (error(403, "901"), AnswerKind.NOT_SENT, "provider_auth_failed"),
         (error(429, "429"), AnswerKind.NOT_SENT, "rate_limited"),
         (error(500, "905"), AnswerKind.AMBIGUOUS, "http_500"),
-        (error(503, "703", Transient_Error="true"), AnswerKind.NOT_SENT, "703"),
+        (error(503, "703", Transient_Error="true"), AnswerKind.AMBIGUOUS, "703"),
+        (error(500, "905", Transient_Error="true"), AnswerKind.AMBIGUOUS, "905"),
+        (error(429, "429", Transient_Error="true"), AnswerKind.NOT_SENT, "rate_limited"),
         (error(404, "000"), AnswerKind.AMBIGUOUS, "000"),
         (httpx.Response(502, text="<html>bad gateway</html>"), AnswerKind.AMBIGUOUS, "http_502"),
         (httpx.Response(418, text="teapot"), AnswerKind.AMBIGUOUS, "http_418"),
@@ -392,5 +396,5 @@ def test_async_calls_answer_as_the_sync_ones(adyen: AdyenProvider, router: respx
 
     sync = [adyen.submit(submit()), adyen.void(void()), adyen.submit(submit("payment.capture"))]
     assert asyncio.run(both()) == sync
-    assert [a.kind for a in sync] == [AnswerKind.DECLINED, AnswerKind.NOT_SENT, AnswerKind.PENDING]
+    assert [a.kind for a in sync] == [AnswerKind.DECLINED, AnswerKind.AMBIGUOUS, AnswerKind.PENDING]
     assert sync[0].code == "CVC Declined"

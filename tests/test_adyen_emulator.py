@@ -93,7 +93,7 @@ def test_a_concurrent_duplicate_meets_704(
         first.join(10.0)
     assert not first.is_alive()
     assert (duplicate.kind, duplicate.code, duplicate.status_code) == (
-        AnswerKind.NOT_SENT,
+        AnswerKind.AMBIGUOUS,
         "704",
         409,
     )
@@ -117,7 +117,7 @@ def test_an_answer_dropped_after_commit_is_ambiguous_and_one_effect(
     ("fault", "kind", "effects"),
     [
         (Fault.RATE_LIMITED, AnswerKind.NOT_SENT, 0),
-        (Fault.IN_FLIGHT, AnswerKind.NOT_SENT, 0),
+        (Fault.IN_FLIGHT, AnswerKind.AMBIGUOUS, 0),
         (Fault.ERROR_BEFORE_COMMIT, AnswerKind.AMBIGUOUS, 0),
         (Fault.ERROR_AFTER_COMMIT, AnswerKind.AMBIGUOUS, 1),
         (Fault.DROP_AFTER_COMMIT, AnswerKind.AMBIGUOUS, 1),

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from adyen_emulator import AdyenEmulator, adyen_emulator  # noqa: F401 - the fixture
+from adyen_emulator import AdyenEmulator
 from conftest import age, make_due
 
 from payorch.core import State
@@ -27,7 +27,7 @@ from payorch.testing import Fault
 
 
 @pytest.fixture
-def adyen(adyen_emulator: AdyenEmulator) -> Iterator[AdyenProvider]:  # noqa: F811
+def adyen(adyen_emulator: AdyenEmulator) -> Iterator[AdyenProvider]:
     with adyen_emulator.adapter() as provider:
         yield provider
 
@@ -101,7 +101,7 @@ def test_settled_by_its_notification_alone(
     store: Store,
     adyen: AdyenProvider,
     adyen_emulator: AdyenEmulator,
-    endpoint: str,  # noqa: F811
+    endpoint: str,
 ) -> None:
     op_id = unknown_payment(store, adyen, adyen_emulator, "adyen-n1")
     key = store.get("shop", op_id).downstream_key
@@ -128,7 +128,7 @@ def test_settled_by_its_notification_alone(
 def test_settled_by_a_replay_inside_the_window(
     store: Store,
     adyen: AdyenProvider,
-    adyen_emulator: AdyenEmulator,  # noqa: F811
+    adyen_emulator: AdyenEmulator,
 ) -> None:
     op_id = unknown_payment(store, adyen, adyen_emulator, "adyen-r1")
     key = store.get("shop", op_id).downstream_key
@@ -145,7 +145,7 @@ def test_settled_by_a_replay_inside_the_window(
 def test_past_the_window_it_waits_for_evidence_flagged(
     store: Store,
     adyen: AdyenProvider,
-    adyen_emulator: AdyenEmulator,  # noqa: F811
+    adyen_emulator: AdyenEmulator,
 ) -> None:
     op_id = unknown_payment(store, adyen, adyen_emulator, "adyen-w1")
     age(store, op_id, timedelta(days=32))
@@ -162,7 +162,7 @@ def test_voided_past_its_deadline(
     store: Store,
     adyen: AdyenProvider,
     adyen_emulator: AdyenEmulator,
-    endpoint: str,  # noqa: F811
+    endpoint: str,
 ) -> None:
     op_id = unknown_payment(store, adyen, adyen_emulator, "adyen-v1", capture_method="manual")
     key = store.get("shop", op_id).downstream_key
@@ -192,7 +192,7 @@ def test_a_late_authorisation_racing_the_void_is_flagged(
     store: Store,
     adyen: AdyenProvider,
     adyen_emulator: AdyenEmulator,
-    endpoint: str,  # noqa: F811
+    endpoint: str,
 ) -> None:
     op_id = unknown_payment(store, adyen, adyen_emulator, "adyen-v2", capture_method="manual")
     age(store, op_id, timedelta(hours=3))
@@ -210,7 +210,7 @@ def test_a_late_authorisation_racing_the_void_is_flagged(
 def test_one_tampered_item_is_refused_and_the_others_applied(
     store: Store,
     adyen: AdyenProvider,
-    adyen_emulator: AdyenEmulator,  # noqa: F811
+    adyen_emulator: AdyenEmulator,
 ) -> None:
     first = unknown_payment(store, adyen, adyen_emulator, "adyen-t1")
     second = unknown_payment(store, adyen, adyen_emulator, "adyen-t2")

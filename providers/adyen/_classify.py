@@ -8,7 +8,7 @@ the modification responses (HTTP 201, ``status: "received"``: the outcome arrive
 notification), and the ``ServiceError`` body ``{"status", "errorCode", "message",
 "errorType", "pspReference"}``. Error code 704 ("request already processed or in progress")
 comes as 409 or 422; with the ``Transient-Error: true`` header the same key may be sent again
-later and is then processed as if it were the first request.
+later. Neither says the request was not processed: both are possibly sent (AMBIGUOUS).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class Reply:
 
     @property
     def transient(self) -> bool:
-        """``Transient-Error: true``: not processed; the same key may be sent again."""
+        """``Transient-Error: true``: the same key may be sent again later."""
         return str(self.headers.get("transient-error", "")).strip().lower() == "true"
 
     @property
@@ -131,8 +131,9 @@ def _said(err: Mapping[str, Any] | None) -> str | None:
 def failure_answer(reply: Reply) -> Answer | None:
     """The answer for a reply that is not a 2xx; None for a 2xx (the caller reads the body).
 
-    - ``Transient-Error: true`` (704 for a duplicate in flight, or any other): nothing was
-      processed; NOT_SENT, to be sent again later under the same key;
+    - ``Transient-Error: true`` (704 for a duplicate in flight, a 5xx, …): AMBIGUOUS with
+      its Retry-After: the same key may be sent again, but the first request may be moving
+      money (401/403/429 keep the shared NOT_SENT);
     - 704 without it: the key's first request was (or is being) processed: AMBIGUOUS;
     - 401/403, 429 and 5xx: the shared rule (:func:`answer_from_http_status`);
     - 400/422 with a ``ServiceError``: Adyen refused this request as it stands: DECLINED,
@@ -158,8 +159,11 @@ def failure_answer(reply: Reply) -> Answer | None:
             raw=bounded_raw(reply.content) if reply.body is None else None,
         )
 
-    if reply.transient:
-        return answer(AnswerKind.NOT_SENT, code, parse_retry_after(reply.retry_after))
+    if reply.transient and reply.status not in _NOT_SENT_STATUSES:
+        # "Retry with the same key": never "not processed". A 704 says the key's first
+        # request is still being processed, a 5xx may follow a commit: possibly sent, and
+        # the same key (a replay) answers it later.
+        return answer(AnswerKind.AMBIGUOUS, code, parse_retry_after(reply.retry_after))
     shared = answer_from_http_status(reply.status, retry_after=reply.retry_after, raw=reply.content)
     if shared is not None and code != IN_PROGRESS:
         # The shared rule decides the kind and keeps its code; Adyen's words are evidence.
@@ -180,6 +184,9 @@ def failure_answer(reply: Reply) -> Answer | None:
     # 704 without Transient-Error: the key's first request was (or is being) processed.
     refused = reply.status in _REFUSED_STATUSES and code != IN_PROGRESS
     return answer(AnswerKind.DECLINED if refused else AnswerKind.AMBIGUOUS, code)
+
+
+_NOT_SENT_STATUSES = frozenset({401, 403, 429})  # refused before anything was done
 
 
 def _unexpected(reply: Reply, what: str) -> Answer:

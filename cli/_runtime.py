@@ -161,16 +161,20 @@ def build_providers(config: Settings) -> list[Provider]:
     if config.adyen_api_key:
         from ..providers.adyen import AdyenProvider
 
-        if not config.adyen_merchant_account or not config.adyen_hmac_key:
-            raise ConfigurationError(
-                "Adyen needs PAYORCH_ADYEN_MERCHANT_ACCOUNT and PAYORCH_ADYEN_HMAC_KEY too"
-            )
+        needed = {
+            "PAYORCH_ADYEN_MERCHANT_ACCOUNT": config.adyen_merchant_account,
+            "PAYORCH_ADYEN_HMAC_KEY": config.adyen_hmac_key,
+            "PAYORCH_ADYEN_BASE_URL": config.adyen_base_url,
+        }
+        missing = [name for name, value in needed.items() if not value]
+        if missing:
+            raise ConfigurationError(f"Adyen needs {' and '.join(missing)} too")
         providers.append(
             AdyenProvider(
                 api_key=config.adyen_api_key,
-                merchant_account=config.adyen_merchant_account,
+                merchant_account=str(config.adyen_merchant_account),
                 hmac_key=config.adyen_hmac_key,
-                base_url=config.adyen_base_url,
+                base_url=str(config.adyen_base_url),
             )
         )
     return providers

@@ -236,7 +236,9 @@ class WebhookEvent:
     code: str | None = None
     # What happened to the effect after its operation's outcome (e.g. "authorization_released"
     # for a released manual-capture authorisation): kept as evidence, never a contradiction.
+    # "void_refused": the provider refused a void (evidence for the operation being voided).
     lifecycle: str | None = None
+    operation: str | None = None  # the operation type it reports on; None: whichever it finds
 
 
 class Capability(enum.StrEnum):
@@ -274,7 +276,7 @@ def can_void(adapter: object, provider_reference: str | None) -> bool:
     """Whether the adapter can void an operation known by ``provider_reference`` (or None)."""
     caps = capabilities_of(adapter)
     by_ref = Capability.VOID_BY_REFERENCE in caps and bool(provider_reference)
-    return isinstance(adapter, Voider | AsyncVoider) and (Capability.VOID_BY_KEY in caps or by_ref)
+    return isinstance(adapter, Voider) and (Capability.VOID_BY_KEY in caps or by_ref)
 
 
 @runtime_checkable

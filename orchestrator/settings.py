@@ -73,7 +73,8 @@ class Settings(BaseSettings):
     # The notification HMAC key, hex as the Customer Area shows it; anything else is refused
     # at start-up.
     adyen_hmac_key: str | None = None
-    adyen_base_url: str = "http://127.0.0.1:8766"
+    # Your Checkout endpoint, version included (…/v71): required with an API key.
+    adyen_base_url: str | None = None
 
     @field_validator("adyen_hmac_key")
     @classmethod

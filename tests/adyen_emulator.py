@@ -433,13 +433,9 @@ class AdyenEmulator:
             return _error(422, "14_004", "Missing payment method details")
         if not isinstance(body.get("returnUrl"), str):
             return _error(422, "14_030", "Return URL is missing.")
-        metadata = body.get("metadata") or {}
-        if len(metadata) > 20:
+        metadata = body.get("metadata") or {}  # Adyen's limits: 20 entries, 20 and 80 chars
+        if len(metadata) > 20 or any(len(k) > 20 or len(str(v)) > 80 for k, v in metadata.items()):
             return _error(422, "177", "Metadata size exceeds limit")
-        if any(len(k) > 20 for k in metadata):
-            return _error(422, "178", "Metadata key size exceeds limit")
-        if any(not isinstance(v, str) or len(v) > 80 for v in metadata.values()):
-            return _error(422, "179", "Metadata value size exceeds limit")
         manual = (body.get("additionalData") or {}).get("manualCapture") == "true"
         voided = reference in self._voided_refs
         refused = decline or voided

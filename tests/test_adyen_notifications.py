@@ -178,7 +178,7 @@ def test_a_non_hex_key_is_a_configuration_error() -> None:
             {"eventCode": "TECHNICAL_CANCEL", "success": "false", "reason": "captured"},
             None,
             "captured",
-            None,
+            "void_refused",
         ),
         ({"eventCode": "REPORT_AVAILABLE"}, None, None, None),
     ],
@@ -189,6 +189,13 @@ def test_what_each_event_code_is_evidence_of(
     event = provider().parse_webhook({}, body(signed(**fields)))
     assert (event.outcome, event.code, event.lifecycle) == (outcome, code, lifecycle)
     assert event.downstream_key == PAY_KEY
+    reports_on = {"CAPTURE": "payment.capture", "REFUND": "refund.create"}
+    event_code = fields.get("eventCode", "AUTHORISATION")
+    expected = next(
+        (op for prefix, op in reports_on.items() if event_code.startswith(prefix)),
+        None if event_code == "REPORT_AVAILABLE" else "payment.create",
+    )
+    assert event.operation == expected
     assert event.occurred_at is not None and event.occurred_at.utcoffset() is not None
     if fields.get("eventCode") in ("CANCELLATION", "TECHNICAL_CANCEL"):
         assert event.provider_reference == fields.get("originalReference")

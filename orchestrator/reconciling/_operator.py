@@ -284,7 +284,7 @@ def void(
     actor = required_text(actor, "actor", MAX_ACTOR, "a void")
     record, now = load(store, tenant_id, operation_id)
     adapter = reconciler.providers.get(record.provider)
-    refusal = void_refusal(record, adapter)
+    refusal = void_refusal(record, adapter, reconciler.policy.void_operations)
     if refusal is not None:
         raise InvalidTransition(f"cannot void: {refusal}", operation_id=record.id)
     assert adapter is not None

@@ -41,7 +41,7 @@ from ..records import OperationRecord, Redactor
 from ..storage._store import Store
 from ..storage._tables import db_now_plus, operations
 from ._policy import DEFAULT_CONCURRENCY, ReconcileReport, ReconcilerPolicy
-from ._voids import VOID_REQUESTED, run_void, void_due
+from ._voids import VOID_REQUESTED, VOID_WANTED, run_void, void_due
 
 __all__ = ["ReconcileReport", "Reconciler", "ReconcilerPolicy"]
 
@@ -291,11 +291,16 @@ class Reconciler:
         if provider is None:
             self._reschedule(record, now, kind="check", detail={"error": "provider not configured"})
             return "no_provider"
-        if record.resolution == VOID_REQUESTED and can_void(provider, record.provider_reference):
-            # A void is in flight: send the same void again until its evidence settles it.
-            return run_void(
-                self, record, now, provider, actor=self.owner, reason="the void in flight, again"
-            )
+        if record.resolution == VOID_REQUESTED:
+            # A void is in flight: send the same void again until its evidence settles it;
+            # never the payment itself.
+            if can_void(provider, record.provider_reference):
+                return run_void(
+                    self, record, now, provider, actor=self.owner, reason="the void, again"
+                )
+            reason = {"decision": "escalate: a void is in flight and this adapter cannot void"}
+            self._reschedule(record, now, kind="check", detail=reason, attention=True)
+            return "escalated"
         if not can_query_status(provider):
             return self._without_status(record, now, provider)
         started = time.monotonic()
@@ -374,7 +379,9 @@ class Reconciler:
             return "awaiting_evidence"
         window = provider.idempotency_window
         reason = None
-        if Capability.REPLAY not in capabilities_of(provider):
+        if record.resolution in VOID_WANTED:
+            reason = "a void of it was wanted: never replayed"
+        elif Capability.REPLAY not in capabilities_of(provider):
             reason = "the provider can neither be asked nor replayed: only its notification"
         elif window is None or age > window - self.policy.window_margin:
             reason = "past the provider's idempotency window: a replay could charge twice"
@@ -401,7 +408,9 @@ class Reconciler:
         # Judge the window by the database clock now, not the batch's pick time: earlier
         # checks in the batch may have taken long. The UPDATE below re-checks it.
         age = self.store.db_time() - record.created_at
-        if window is None:
+        if record.resolution in VOID_WANTED:
+            reason = "a void of it was wanted: never re-send"
+        elif window is None:
             reason = "provider honours no idempotency key: never re-send"
         elif age > window - self.policy.window_margin:
             reason = "past the provider's idempotency window: re-sending could charge twice"

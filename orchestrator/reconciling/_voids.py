@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from ..core import State
+from ..errors import StaleVersion
 from ..observing import _metrics as metrics
 from ..outcome import settled
 from ..provider import Answer, AnswerKind, Provider, Voider, VoidRequest, can_void
@@ -25,8 +26,11 @@ from ._policy import ReconcilerPolicy
 
 __all__ = [
     "VOIDED",
+    "VOID_NOTHING_FOUND",
+    "VOID_REFUSED",
     "VOID_REQUESTED",
     "VOID_RESOLUTION",
+    "VOID_WANTED",
     "is_authorisation",
     "run_void",
     "void_due",
@@ -60,6 +64,12 @@ class Reconciler(Protocol):
 VOID_REQUESTED = "void_requested"  # resolution of an unknown operation with a void in flight
 VOID_RESOLUTION = "void"  # resolution of an operation settled by its void
 VOIDED = "voided"  # error_code of a voided operation
+# Resolutions of an unknown operation whose void did not settle it: never voided again by the
+# policy, never re-sent (a void was wanted); evidence or a human settles it.
+VOID_REFUSED = "void_refused"
+VOID_NOTHING_FOUND = "void_nothing_found"
+VOID_WANTED = frozenset({VOID_REQUESTED, VOID_REFUSED, VOID_NOTHING_FOUND})
+_MAX_RACES = 3
 
 
 def is_authorisation(record: OperationRecord) -> bool:
@@ -68,9 +78,9 @@ def is_authorisation(record: OperationRecord) -> bool:
 
 
 def void_refusal(  # noqa: PLR0911 - one reason per refusal
-    record: OperationRecord, adapter: object | None
+    record: OperationRecord, adapter: object | None, operations: frozenset[str]
 ) -> str | None:
-    """Why ``record`` cannot be voided, or None if it can."""
+    """Why ``record`` cannot be voided (by an operator, or the policy), or None if it can."""
     if record.state is State.SUCCEEDED:
         return (
             f"operation {record.id} is succeeded (terminal): what it authorised or captured "
@@ -80,6 +90,11 @@ def void_refusal(  # noqa: PLR0911 - one reason per refusal
         return f"operation {record.id} is {record.state.value} (terminal): nothing is held"
     if record.state is State.IN_PROGRESS and not record.possibly_sent:
         return f"operation {record.id} has sent nothing to the provider: there is nothing to void"
+    if record.operation not in operations:
+        return (
+            f"operation {record.id} is a {record.operation}: only an authorisation of "
+            f"{', '.join(sorted(operations)) or 'no type'} is voided"
+        )
     if not is_authorisation(record):
         return (
             f"operation {record.id} captures at once (its capture_method is not manual): if "
@@ -97,9 +112,11 @@ def void_due(rec: Reconciler, record: OperationRecord, adapter: Provider) -> boo
     policy = rec.policy
     if policy.void_after is None or record.operation not in policy.void_operations:
         return False
+    if record.resolution in (VOID_REFUSED, VOID_NOTHING_FOUND):
+        return False
     if rec.store.db_time() - record.created_at < policy.void_after:
         return False
-    return void_refusal(record, adapter) is None
+    return void_refusal(record, adapter, policy.void_operations) is None
 
 
 def run_void(
@@ -138,9 +155,12 @@ def run_void(
             lease_owner=rec.owner,
             resolution=VOID_REQUESTED,
         )
-    assert isinstance(adapter, Voider)
     started = time.monotonic()
-    answer = adapter.void(request)
+    try:
+        assert isinstance(adapter, Voider)  # can_void said so
+        answer = adapter.void(request)
+    except Exception as exc:  # noqa: BLE001 - an adapter's bug is evidence of nothing
+        answer = Answer(kind=AnswerKind.AMBIGUOUS, code=type(exc).__name__, message=str(exc))
     metrics.for_provider(adapter.name).answered("void", answer.kind, time.monotonic() - started)
     answer = Redactor.of(record.request).answer(answer)
     detail: dict[str, Any] = {
@@ -149,16 +169,42 @@ def run_void(
         **answer.evidence(),
     }
     detail.pop("possibly_sent", None)
+    for _ in range(_MAX_RACES):
+        try:
+            return _apply(rec, record, now, answer, dict(detail))
+        except StaleVersion:
+            # Written while the void was out (a webhook flagged a race, say): apply the
+            # answer to the operation as it stands, while its void is still ours to settle.
+            record = rec.store.get(record.tenant_id, record.id)
+            if record.terminal or record.resolution != VOID_REQUESTED:
+                rec.store.append_event(
+                    record, kind="late_void_answer", actor=rec.owner, detail=detail
+                )
+                return "lost_race"
+    raise StaleVersion(f"operation {record.id} kept changing", operation_id=record.id)
+
+
+def _apply(
+    rec: Reconciler,
+    record: OperationRecord,
+    now: datetime,
+    answer: Answer,
+    detail: dict[str, Any],
+) -> str:
     if answer.kind is AnswerKind.SUCCEEDED:
         return _voided(rec, record, answer, detail)
-    if answer.kind is AnswerKind.NOT_FOUND and (
-        rec.store.db_time() - record.created_at >= rec.policy.not_found_grace
-    ):
-        # Past the grace a provider's lookups need, and under a key that is void now.
-        return _voided(rec, record, answer, detail)
+    if answer.kind is AnswerKind.NOT_FOUND:
+        # Nothing held under the key, but the key is not blocked (only a provider that says
+        # so, answering SUCCEEDED, blocks it): never final, and never voided again by the
+        # policy; no re-send either. Evidence or a human settles it.
+        detail["decision"] = "nothing to void was found: wait for evidence, never re-send"
+        rec._reschedule(record, now, kind="void", detail=detail, resolution=VOID_NOTHING_FOUND)
+        return "void_nothing_found"
     if answer.kind is AnswerKind.DECLINED:
         detail["decision"] = f"escalate: the provider refused the void ({answer.code})"
-        rec._reschedule(record, now, kind="void", detail=detail, attention=True, resolution=None)
+        rec._reschedule(
+            record, now, kind="void", detail=detail, attention=True, resolution=VOID_REFUSED
+        )
         return "void_refused"
     pending = answer.kind is AnswerKind.PENDING
     detail["decision"] = (
@@ -176,8 +222,6 @@ def _voided(
     ref = answer.provider_reference or record.provider_reference
     decision = settled(Answer(kind=AnswerKind.DECLINED, code=VOIDED, provider_reference=ref))
     assert decision is not None
-    if answer.kind is AnswerKind.NOT_FOUND:
-        detail["decision"] = "nothing was made under the key, and now nothing can be: void"
     rec._write(
         record,
         State.FAILED_FINAL,

@@ -39,7 +39,7 @@ from ..records import OperationRecord, Redactor
 from ..storage._engine import read_in_transaction, run_in_transaction
 from ..storage._store import Store
 from ..storage._tables import db_now, operations, webhook_inbox
-from ._voids import VOID_REQUESTED, VOID_RESOLUTION
+from ._voids import VOID_REFUSED, VOID_REQUESTED, VOID_RESOLUTION
 
 __all__ = ["WebhookHandler"]
 
@@ -198,7 +198,7 @@ class WebhookHandler:
             record = self._find(tenant_id, provider, event)
             if record is None:
                 return inbox.only(WebhookStatus.UNMATCHED, None)
-            if event.outcome is None:
+            if event.outcome is None and event.lifecycle != VOID_REFUSED:
                 return inbox.only(WebhookStatus.IGNORED, record)
             for _ in range(_MAX_RACES):
                 try:
@@ -240,6 +240,42 @@ class WebhookHandler:
             return self.store.find_by_reference(tenant_id, provider, event.provider_reference)
         return None
 
+    def _evidence(
+        self, inbox: _Inbox, record: OperationRecord, detail: dict[str, Any]
+    ) -> WebhookResult:
+        """Keep the event as evidence; the operation does not change."""
+        self.store.append_event(
+            record,
+            kind="webhook_evidence",
+            actor=self.actor,
+            detail=detail,
+            also=inbox.claim(WebhookStatus.RECORDED),
+        )
+        return inbox.result(WebhookStatus.RECORDED, record)
+
+    def _void_refused(
+        self, inbox: _Inbox, record: OperationRecord, detail: dict[str, Any], *, voiding: bool
+    ) -> WebhookResult:
+        """The provider refused the void in flight: the operation stays unknown, flagged, and
+        is never voided again by the policy (what it holds is a human's call)."""
+        if not voiding:
+            return self._evidence(inbox, record, detail)
+        detail["decision"] = "the provider refused the void: escalate"
+        updated = self.store.transition(
+            record,
+            State.OUTCOME_UNKNOWN,
+            kind=VOID_REFUSED,
+            actor=self.actor,
+            detail=detail,
+            resolution=VOID_REFUSED,
+            needs_attention=True,
+            also=inbox.claim(WebhookStatus.RECORDED),
+        )
+        logs.transition(record, updated, VOID_REFUSED, detail, logger=_log)
+        if not record.needs_attention:
+            metrics.escalated("evidence")
+        return inbox.result(WebhookStatus.RECORDED, updated)
+
     def _flag(
         self, inbox: _Inbox, record: OperationRecord, detail: dict[str, Any], *, kind: str
     ) -> WebhookResult:
@@ -257,11 +293,10 @@ class WebhookHandler:
         return inbox.result(WebhookStatus.CONFLICT, record)
 
     def _apply(self, inbox: _Inbox, event: WebhookEvent, record: OperationRecord) -> WebhookResult:
-        assert event.outcome is not None
-        detail = {
+        detail: dict[str, Any] = {
             "event_id": event.event_id,
             "event_type": event.event_type,
-            "outcome": event.outcome.value,
+            "outcome": event.outcome.value if event.outcome is not None else None,
             "provider_reference": event.provider_reference,
         }
         if event.code is not None:
@@ -269,8 +304,16 @@ class WebhookHandler:
         if event.lifecycle is not None:
             # What became of the effect afterwards (e.g. a released authorisation).
             detail["lifecycle"] = event.lifecycle
-        target = _TARGET.get(event.outcome)
         voiding = record.resolution == VOID_REQUESTED and not record.terminal
+        if event.operation is not None and event.operation != record.operation:
+            # An event about another kind of operation found by this one's reference (a
+            # refund made in the provider's dashboard, say): evidence, never its outcome.
+            detail["reports_on"] = event.operation
+            return self._evidence(inbox, record, detail)
+        if event.lifecycle == VOID_REFUSED:
+            return self._void_refused(inbox, record, detail, voiding=voiding)
+        assert event.outcome is not None
+        target = _TARGET.get(event.outcome)
         if voiding and event.outcome is AnswerKind.SUCCEEDED and event.lifecycle is None:
             # A success while our void is in flight: the void's own evidence decides, and a
             # human must see that the two raced.
@@ -282,14 +325,7 @@ class WebhookHandler:
             return self._flag(inbox, record, detail, kind="conflicting_evidence")
         if record.terminal or target is None:
             # Confirms the terminal state, or says "pending": evidence without a change.
-            self.store.append_event(
-                record,
-                kind="webhook_evidence",
-                actor=self.actor,
-                detail=detail,
-                also=inbox.claim(WebhookStatus.RECORDED),
-            )
-            return inbox.result(WebhookStatus.RECORDED, record)
+            return self._evidence(inbox, record, detail)
         ref = event.provider_reference or record.provider_reference
         # The adapter's code, as its status query would store it for the same decline.
         code = (event.code or "")[:_MAX_CODE] or _CODE[target]
@@ -305,7 +341,7 @@ class WebhookHandler:
             response=decision.response,
             error_code=decision.error_code,
             # A void's notification settles what the void began; a race it lost stays flagged.
-            resolution=VOID_RESOLUTION if voiding else "webhook",
+            resolution=VOID_RESOLUTION if voiding and event.lifecycle else "webhook",
             needs_attention=record.needs_attention if voiding else False,  # settled by evidence
             also=inbox.claim(WebhookStatus.APPLIED),
         )

@@ -55,13 +55,21 @@ class VoidContract(KitBase):
         assert not emulator.voided(request.downstream_key)
         assert emulator.effects(request.downstream_key) == 1
 
-    def test_a_void_by_key_of_nothing_is_not_found(
+    def test_a_void_by_key_of_nothing_is_not_found_or_blocks_the_key(
         self, emulator: Emulator, adapter: Provider
     ) -> None:
         if Capability.VOID_BY_KEY not in capabilities_of(adapter):
             pytest.skip("the adapter does not void by key")
         request = self.payment(emulator)
         answer = _voider(adapter, None).void(void_request(request))
-        # NOT_FOUND; or PENDING where the provider takes a void by key and answers later.
-        assert answer.kind in (AnswerKind.NOT_FOUND, AnswerKind.PENDING), explain(answer)
+        # NOT_FOUND (nothing held, the key untouched); PENDING where the provider takes a
+        # void by key and answers later; SUCCEEDED only if the key can no longer charge.
+        allowed = (AnswerKind.NOT_FOUND, AnswerKind.PENDING, AnswerKind.SUCCEEDED)
+        assert answer.kind in allowed, explain(answer)
         assert emulator.effects(request.downstream_key) == 0
+        if answer.kind is AnswerKind.SUCCEEDED:
+            late = adapter.submit(request)
+            assert late.kind is not AnswerKind.SUCCEEDED, (
+                f"a void that answered succeeded must block the key: {explain(late)}"
+            )
+            assert emulator.effects(request.downstream_key) == 0

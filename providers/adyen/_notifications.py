@@ -69,6 +69,19 @@ SIGNED_FIELDS = (
 _SETTLING = frozenset({"AUTHORISATION", "CAPTURE", "REFUND"})
 _FAILED = frozenset({"CAPTURE_FAILED", "REFUND_FAILED"})
 _CANCELS = frozenset({"CANCELLATION", "TECHNICAL_CANCEL"})
+# The operation type each event code reports on: a CAPTURE or REFUND item may carry the
+# payment's own reference (a modification made in the Customer Area), and must never settle
+# the payment.create found by it.
+_OPERATION_OF = {
+    "AUTHORISATION": "payment.create",
+    "CANCELLATION": "payment.create",
+    "TECHNICAL_CANCEL": "payment.create",
+    "CAPTURE": "payment.capture",
+    "CAPTURE_FAILED": "payment.capture",
+    "REFUND": "refund.create",
+    "REFUND_FAILED": "refund.create",
+}
+VOID_REFUSED = "void_refused"  # a cancel that failed: evidence for the void in flight
 
 
 def decode_hmac_key(key: str) -> bytes:
@@ -125,9 +138,13 @@ def verify_item(item: Mapping[str, Any], key: bytes) -> None:
     text = signing_string(item)
     if text is None:
         raise WebhookSignatureInvalid("the notification item's signed fields are not scalars")
-    expected = base64.b64encode(
-        hmac.new(key, text.encode("utf-8"), hashlib.sha256).digest()
-    ).decode("ascii")
+    try:
+        signed = text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: no signature can cover it
+        raise WebhookSignatureInvalid(
+            "the notification item's signed fields are not Unicode"
+        ) from None
+    expected = base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode("ascii")
     if not given.isascii() or not hmac.compare_digest(expected, given):
         raise WebhookSignatureInvalid("the notification item's hmacSignature does not match")
 
@@ -199,7 +216,7 @@ def item_event(item: Mapping[str, Any]) -> WebhookEvent:
         if success:
             outcome, decline, lifecycle = AnswerKind.DECLINED, VOIDED, VOIDED
         else:
-            decline = (reason or "cancel_refused")[:64]
+            decline, lifecycle = (reason or "cancel_refused")[:64], VOID_REFUSED
     extra = item.get("additionalData")
     operation_id = operation_id_from_downstream_key(downstream_key) if downstream_key else None
     if operation_id is None and isinstance(extra, Mapping):
@@ -216,6 +233,7 @@ def item_event(item: Mapping[str, Any]) -> WebhookEvent:
         body=dict(item),
         code=decline,
         lifecycle=lifecycle,
+        operation=_OPERATION_OF.get(code),
     )
 
 

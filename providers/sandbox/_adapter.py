@@ -517,7 +517,8 @@ def _classify_void(response: httpx.Response) -> Answer:
 
 _VOID_RESULTS: Mapping[object, tuple[AnswerKind, str]] = {
     "voided": (AnswerKind.SUCCEEDED, VOIDED),
-    "nothing_found": (AnswerKind.NOT_FOUND, "nothing_found"),
+    # Nothing was made under the key, and the sandbox now refuses anything under it: void.
+    "nothing_found": (AnswerKind.SUCCEEDED, "nothing_found"),
 }
 
 

@@ -360,7 +360,7 @@ class Voider(Protocol):
 
     - SUCCEEDED: it is void now (nothing is held, and the key can no longer charge);
     - PENDING: the provider took the void; its outcome arrives later (a webhook);
-    - NOT_FOUND: the provider holds nothing under the operation's key (nothing to release);
+    - NOT_FOUND: nothing found under the operation's key, which stays usable (not final);
     - DECLINED: it cannot be voided (e.g. captured already), ``code`` says why;
     - AMBIGUOUS / NOT_SENT: as for a submission; sending the same void again is safe.
     """

@@ -3,12 +3,13 @@ refusals, and a void that races a late success. Effects are counted at the sandb
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from cli_helpers import one_error_line, run
-from conftest import age, effects_of, make_due
+from conftest import FAST_TIMEOUT, age, effects_of, make_due
 
 from payorch.core import State
 from payorch.errors import InvalidTransition
@@ -186,3 +187,56 @@ def test_ops_void_cli(
     refused = run(db_url, "ops", "void", op_id, "--reason", "again", "--actor", "carol")
     assert refused.exit_code != 0
     assert "terminal" in one_error_line(refused)
+
+
+def test_the_async_reconciler_voids_through_the_adapters_coroutine(
+    db_url: str, sandbox: SandboxServer, store: Store
+) -> None:
+    from payorch import AsyncExecutor, AsyncReconciler, AsyncStore
+
+    async def main() -> tuple[str, Any]:
+        async_store = AsyncStore.from_url(db_url)
+        try:
+            async with SandboxProvider(base_url=sandbox.url, timeout=FAST_TIMEOUT) as provider:
+                ex = AsyncExecutor(
+                    store=async_store, providers=[provider], lease=timedelta(seconds=30)
+                )
+                sandbox.inject("pending")
+                outcome = await ex.execute(
+                    tenant_id="shop",
+                    operation="payment.create",
+                    idempotency_key="async-auth-1",
+                    request=AUTH,
+                    provider="sandbox",
+                )
+                await asyncio.to_thread(age, store, outcome.operation_id, timedelta(hours=2))
+                await asyncio.to_thread(make_due, store, outcome.operation_id)
+                rec = AsyncReconciler(
+                    store=async_store,
+                    providers=[provider],
+                    policy=ReconcilerPolicy(
+                        lease=timedelta(seconds=30), void_after=timedelta(hours=1)
+                    ),
+                )
+                report = await rec.reconcile_once()
+                return outcome.operation_id, report.outcomes
+        finally:
+            await async_store.close()
+
+    op_id, outcomes = asyncio.run(main())
+    assert outcomes["voided"] == 1
+    assert store.get("shop", op_id).error_code == "voided"
+    assert statuses(sandbox, store, op_id) == ["voided"]
+
+
+def test_an_adyen_hmac_key_that_is_not_hex_stops_the_cli_at_start_up(db_url: str) -> None:
+    env = {
+        "PAYORCH_ADYEN_API_KEY": "AQE_key",
+        "PAYORCH_ADYEN_MERCHANT_ACCOUNT": "ShopECOM",
+        "PAYORCH_ADYEN_BASE_URL": "http://127.0.0.1:9/v71",
+        "PAYORCH_ADYEN_HMAC_KEY": "not-hex",
+    }
+    result = run(db_url, "reconcile", "once", env=env)
+    assert result.exit_code != 0
+    line = one_error_line(result)
+    assert "PAYORCH_ADYEN_HMAC_KEY" in line and "hex" in line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -27,6 +28,7 @@ from ._runtime import (
 
 if TYPE_CHECKING:
     from ..reconciling import _operator as operator
+    from ..reconciling._reconciler import Reconciler
     from ..records import OperationRecord
     from ..storage import _queries as queries
     from ..storage._store import Store
@@ -202,14 +204,38 @@ def recheck_cmd(
 ) -> None:
     """Query the provider now and apply the evidence, as the reconciler would."""
     who = actor or default_actor()
-    config = settings()
+    _act_and_show(
+        "check",
+        lambda store, rec, record: operator.recheck(
+            store, rec, record.tenant_id, record.id, actor=who
+        ),
+        who=who,
+        operation_id=operation_id,
+        tenant=tenant,
+        database_url=database_url,
+        json_=json_,
+    )
+
+
+def _act_and_show(
+    what: str,
+    act: Callable[[Store, Reconciler, OperationRecord], operator.RecheckResult],
+    *,
+    who: str,
+    operation_id: str,
+    tenant: str | None,
+    database_url: str | None,
+    json_: bool,
+) -> None:
+    """Run an operator action with a reconciler of the settings' adapters; print what it
+    did and the events it wrote."""
     with (
         open_store(database_url) as store,
-        reconciler(store, config, owner=f"operator:{who}") as rec,
+        reconciler(store, settings(), owner=f"operator:{who}") as rec,
     ):
         record, _ = operator.load(store, tenant, operation_id)
         seen = {e.id for e in store.events(record.tenant_id, record.id)}
-        result = operator.recheck(store, rec, record.tenant_id, record.id, actor=who)
+        result = act(store, rec, record)
         timeline = [e for e in store.events(record.tenant_id, record.id) if e.id not in seen]
     after = result.record
     if json_:
@@ -226,7 +252,7 @@ def recheck_cmd(
     console.print(
         Text(
             f"{after.id}: {result.before.state.value} -> {after.state.value} "
-            f"(check: {result.outcome}); provider ref {after.provider_reference or '-'}"
+            f"({what}: {result.outcome}); provider ref {after.provider_reference or '-'}"
         )
     )
     for row in render.event_rows(timeline):
@@ -255,35 +281,17 @@ def void_cmd(
 ) -> None:
     """Void an unknown authorisation at the provider (audited), instead of leaving it held."""
     who = actor or default_actor()
-    config = settings()
-    with (
-        open_store(database_url) as store,
-        reconciler(store, config, owner=f"operator:{who}") as rec,
-    ):
-        record, _ = operator.load(store, tenant, operation_id)
-        seen = {e.id for e in store.events(record.tenant_id, record.id)}
-        result = operator.void(store, rec, record.tenant_id, record.id, reason=reason, actor=who)
-        timeline = [e for e in store.events(record.tenant_id, record.id) if e.id not in seen]
-    after = result.record
-    if json_:
-        render.print_json(
-            {
-                "outcome": result.outcome,
-                "from_state": result.before.state.value,
-                "operation": after.to_dict(),
-                "events": [e.to_dict() for e in timeline],
-            }
-        )
-        return
-    console = out()
-    console.print(
-        Text(
-            f"{after.id}: {result.before.state.value} -> {after.state.value} "
-            f"(void: {result.outcome}); provider ref {after.provider_reference or '-'}"
-        )
+    _act_and_show(
+        "void",
+        lambda store, rec, record: operator.void(
+            store, rec, record.tenant_id, record.id, reason=reason, actor=who
+        ),
+        who=who,
+        operation_id=operation_id,
+        tenant=tenant,
+        database_url=database_url,
+        json_=json_,
     )
-    for row in render.event_rows(timeline):
-        console.print(Text(f"  {row['time']}  {row['kind']}  by {row['actor']}  {row['evidence']}"))
 
 
 @ops_app.command("resolve")

@@ -19,11 +19,13 @@ whole call, and the same announcements say whether writing had begun when it was
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -31,8 +33,10 @@ from .forks import reset_in_child
 
 __all__ = [
     "RAW_EVIDENCE_LIMIT",
+    "ClosesClients",
     "DeadlineExceeded",
     "HttpClients",
+    "ProviderReply",
     "asend_with_deadline",
     "bounded_raw",
     "call_budget",
@@ -381,6 +385,69 @@ class HttpClients:
             self._sync = None
         if self._renews_async:
             self._async = None
+
+
+# -- an adapter's own: its replies and the lifecycle of its clients ---------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProviderReply:
+    """One HTTP reply from a provider, its body parsed once; an adapter's classifiers
+    subclass it with what its provider's headers and error bodies say."""
+
+    status: int
+    headers: httpx.Headers
+    body: dict[str, Any] | None  # the JSON object, or None if the body is not one
+    content: bytes
+
+    @classmethod
+    def from_response(cls, response: httpx.Response) -> Self:
+        content = response.content
+        try:
+            parsed = json.loads(content)
+        except (ValueError, RecursionError):  # not JSON / not UTF-8 / absurdly nested
+            parsed = None
+        return cls(
+            status=response.status_code,
+            headers=response.headers,
+            body=parsed if isinstance(parsed, dict) else None,
+            content=content,
+        )
+
+    def says(self, header: str) -> bool:
+        """Whether ``header`` is ``true`` (case and blanks ignored)."""
+        return str(self.headers.get(header, "")).strip().lower() == "true"
+
+    @property
+    def retry_after(self) -> str | None:
+        value = self.headers.get("retry-after")
+        return str(value) if value is not None else None
+
+
+class ClosesClients:
+    """``close``/``aclose`` and both context managers, for an adapter whose httpx clients
+    are its ``_clients`` (:class:`HttpClients`)."""
+
+    _clients: HttpClients
+
+    def close(self) -> None:
+        self._clients.close()
+
+    async def aclose(self) -> None:
+        """Close both clients this adapter opened (the async one on its own loop)."""
+        await self._clients.aclose()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
 
 # -- small readings of what a provider sent (re-exported by payorch.provider) ----------

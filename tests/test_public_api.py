@@ -133,8 +133,10 @@ PUBLIC: dict[str, list[str]] = {
     "payorch.cli": ["main"],
     "payorch.clients": [
         "RAW_EVIDENCE_LIMIT",
+        "ClosesClients",
         "DeadlineExceeded",
         "HttpClients",
+        "ProviderReply",
         "asend_with_deadline",
         "bounded_raw",
         "call_budget",

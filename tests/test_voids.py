@@ -4,6 +4,7 @@ refusals, and a void that races a late success. Effects are counted at the sandb
 from __future__ import annotations
 
 import asyncio
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -182,7 +183,8 @@ def test_ops_void_cli(
     assert "-> failed_final (void: voided)" in done.stdout
     assert statuses(sandbox, store, op_id) == ["voided"]
     shown = run(db_url, "ops", "show", op_id)
-    assert "void" in shown.stdout
+    assert re.search(r"resolution\W+void\b", shown.stdout), shown.stdout  # the path that settled it
+    assert re.search(r"error code\W+voided\b", shown.stdout), shown.stdout
     # Again: it is terminal now; refused with the reason, one line, non-zero.
     refused = run(db_url, "ops", "void", op_id, "--reason", "again", "--actor", "carol")
     assert refused.exit_code != 0

@@ -32,7 +32,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ParamSpec
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from . import _logs as logs
 
@@ -61,6 +61,7 @@ __all__ = [
 ]
 
 P = ParamSpec("P")
+R = TypeVar("R")
 SpanLike = Any  # an opentelemetry Span, or NOOP_SPAN
 
 
@@ -213,10 +214,30 @@ def instrumented_delivery(
     ``payorch.webhook`` span: a delivery of one event reads as ``handle``'s does; a batch
     says how many items it carried and how many were refused."""
 
+    def describe(span: SpanLike, delivery: WebhookDelivery) -> None:
+        set_attributes(
+            span,
+            items=len(delivery.results) + len(delivery.rejected),
+            refused=len(delivery.rejected),
+        )
+        if len(delivery.results) == 1:
+            _describe_result(span, delivery.results[0])
+        if delivery.rejected:
+            _refused(span, delivery.rejected[0][1])
+
+    return _webhook_span(fn, describe)
+
+
+def _webhook_span(
+    fn: Callable[..., R], describe: Callable[[SpanLike, R], None]
+) -> Callable[..., R]:
+    """``fn(self, tenant_id, provider, headers, body)`` under a ``payorch.webhook`` span,
+    ``describe`` setting what its result says."""
+
     @functools.wraps(fn)
     def handle(
         self: Any, tenant_id: str, provider: str, headers: Mapping[str, str], body: bytes
-    ) -> WebhookDelivery:
+    ) -> R:
         tracer = _tracer()
         if tracer is None:
             return fn(self, tenant_id, provider, headers, body)
@@ -228,26 +249,24 @@ def instrumented_delivery(
             set_status_on_exception=False,
         ) as span:
             try:
-                delivery = fn(self, tenant_id, provider, headers, body)
+                result = fn(self, tenant_id, provider, headers, body)
             except Exception as exc:
                 _refused(span, exc)
                 raise
-            items = len(delivery.results) + len(delivery.rejected)
-            set_attributes(span, items=items, refused=len(delivery.rejected))
-            if len(delivery.results) == 1:
-                result = delivery.results[0]
-                set_attributes(
-                    span,
-                    status=result.status.value,
-                    event_id=result.event_id,
-                    operation_id=result.operation_id,
-                    state=result.state.value if result.state is not None else None,
-                )
-            if delivery.rejected:
-                _refused(span, delivery.rejected[0][1])
-        return delivery
+            describe(span, result)
+        return result
 
     return handle
+
+
+def _describe_result(span: SpanLike, result: WebhookResult) -> None:
+    set_attributes(
+        span,
+        status=result.status.value,
+        event_id=result.event_id,
+        operation_id=result.operation_id,
+        state=result.state.value if result.state is not None else None,
+    )
 
 
 def _refused(span: SpanLike, exc: Exception) -> None:
@@ -365,42 +384,18 @@ def instrumented_webhook(fn: Callable[..., WebhookResult]) -> Callable[..., Webh
     ``payorch.webhook`` span, with its log line (a rejected signature is a WARNING)."""
 
     @functools.wraps(fn)
-    def handle(
+    def logged(
         self: Any, tenant_id: str, provider: str, headers: Mapping[str, str], body: bytes
     ) -> WebhookResult:
-        tracer = _tracer()
-        if tracer is None:
-            try:
-                result = fn(self, tenant_id, provider, headers, body)
-            except Exception as exc:
-                logs.webhook_refused(tenant_id, provider, exc)
-                raise
-            logs.webhook(tenant_id, provider, result)
-            return result
-        attributes = {"payorch.tenant_id": tenant_id, "payorch.provider": provider}
-        with tracer.start_as_current_span(
-            "payorch.webhook",
-            attributes=attributes,
-            record_exception=False,
-            set_status_on_exception=False,
-        ) as span:
-            try:
-                result = fn(self, tenant_id, provider, headers, body)
-            except Exception as exc:
-                _refused(span, exc)
-                logs.webhook_refused(tenant_id, provider, exc)
-                raise
-            set_attributes(
-                span,
-                status=result.status.value,
-                event_id=result.event_id,
-                operation_id=result.operation_id,
-                state=result.state.value if result.state is not None else None,
-            )
+        try:
+            result = fn(self, tenant_id, provider, headers, body)
+        except Exception as exc:
+            logs.webhook_refused(tenant_id, provider, exc)
+            raise
         logs.webhook(tenant_id, provider, result)
         return result
 
-    return handle
+    return _webhook_span(logged, _describe_result)
 
 
 # -- propagation --------------------------------------------------------------------------------

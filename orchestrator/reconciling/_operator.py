@@ -93,6 +93,18 @@ def _lease_remaining(record: OperationRecord, now: datetime) -> float:
     return (record.lease_expires_at - now).total_seconds()
 
 
+def refuse_live_lease(record: OperationRecord, now: datetime) -> None:
+    """OperationInProgress while a worker or a reconciler holds ``record``'s lease."""
+    remaining = _lease_remaining(record, now)
+    if remaining > 0:
+        holder = record.lease_owner or "another worker"
+        raise OperationInProgress(
+            f"operation {record.id} is leased by {holder} for {remaining:.0f}s more",
+            operation_id=record.id,
+            retry_after=max(1.0, round(remaining, 1)),
+        )
+
+
 def check_resolvable(record: OperationRecord, now: datetime) -> None:
     """Refuse what an operator may not resolve: terminal, or held by a live lease.
 
@@ -107,14 +119,7 @@ def check_resolvable(record: OperationRecord, now: datetime) -> None:
             "a correction is a new operation, e.g. a refund",
             operation_id=record.id,
         )
-    remaining = _lease_remaining(record, now)
-    if remaining > 0:
-        holder = record.lease_owner or "another worker"
-        raise OperationInProgress(
-            f"operation {record.id} is leased by {holder} for {remaining:.0f}s more",
-            operation_id=record.id,
-            retry_after=max(1.0, round(remaining, 1)),
-        )
+    refuse_live_lease(record, now)
     if record.state is State.IN_PROGRESS and record.possibly_sent:
         # Not abandoned: a worker died after (possibly) sending. The provider may hold an
         # effect nobody has asked about yet; its evidence comes first.
@@ -240,13 +245,7 @@ def recheck(
             f"operation {record.id} is already {record.state.value} (terminal); nothing to check",
             operation_id=record.id,
         )
-    remaining = _lease_remaining(record, now)
-    if remaining > 0:
-        raise OperationInProgress(
-            f"operation {record.id} is leased by {record.lease_owner} for {remaining:.0f}s more",
-            operation_id=record.id,
-            retry_after=max(1.0, round(remaining, 1)),
-        )
+    refuse_live_lease(record, now)
     asks_provider = not (record.state is State.IN_PROGRESS and not record.possibly_sent)
     if asks_provider and record.provider not in reconciler.providers:
         # Checked before leasing: without the adapter the check would only reschedule.
@@ -288,13 +287,7 @@ def void(
     if refusal is not None:
         raise InvalidTransition(f"cannot void: {refusal}", operation_id=record.id)
     assert adapter is not None
-    remaining = _lease_remaining(record, now)
-    if remaining > 0:
-        raise OperationInProgress(
-            f"operation {record.id} is leased by {record.lease_owner} for {remaining:.0f}s more",
-            operation_id=record.id,
-            retry_after=max(1.0, round(remaining, 1)),
-        )
+    refuse_live_lease(record, now)
     leased, now = store.lease_one(
         record,
         owner=reconciler.owner,

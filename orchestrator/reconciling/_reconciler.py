@@ -41,7 +41,7 @@ from ..records import OperationRecord, Redactor
 from ..storage._store import Store
 from ..storage._tables import db_now_plus, operations
 from ._policy import DEFAULT_CONCURRENCY, ReconcileReport, ReconcilerPolicy
-from ._voids import VOID_REQUESTED, VOID_WANTED, run_void, void_due
+from ._voids import VOID_REQUESTED, VOID_WANTED, query_of, run_void, void_due
 
 __all__ = ["ReconcileReport", "Reconciler", "ReconcilerPolicy"]
 
@@ -304,19 +304,7 @@ class Reconciler:
         if not can_query_status(provider):
             return self._without_status(record, now, provider)
         started = time.monotonic()
-        answer = provider.query_status(
-            StatusQuery(
-                tenant_id=record.tenant_id,
-                operation=record.operation,
-                operation_id=record.id,
-                downstream_key=record.downstream_key,
-                provider_reference=record.provider_reference,
-                payload=record.request or {},
-                idempotency_key=record.idempotency_key,
-                fingerprint=record.fingerprint,
-                created_at=record.created_at,
-            )
-        )
+        answer = provider.query_status(StatusQuery(**query_of(record)))
         metrics.for_provider(provider.name).answered(
             "status", answer.kind, time.monotonic() - started
         )
@@ -377,23 +365,21 @@ class Reconciler:
             detail["decision"] = "the provider cannot be asked: wait for its notification"
             self._reschedule(record, now, kind="awaiting_evidence", detail=detail)
             return "awaiting_evidence"
-        window = provider.idempotency_window
-        reason = None
-        if record.resolution in VOID_WANTED:
-            reason = "a void of it was wanted: never replayed"
-        elif Capability.REPLAY not in capabilities_of(provider):
+        if Capability.REPLAY not in capabilities_of(provider):
             reason = "the provider can neither be asked nor replayed: only its notification"
-        elif window is None or age > window - self.policy.window_margin:
-            reason = "past the provider's idempotency window: a replay could charge twice"
-        elif record.request is None or REDACTED in record.request.values():
-            reason = "stored request is incomplete (redacted): cannot replay it"
-        if reason is not None:
             detail["decision"] = f"escalate: {reason}; waiting for evidence"
             self._reschedule(record, now, kind="awaiting_evidence", detail=detail, attention=True)
             return "escalated"
-        detail["decision"] = "no notification yet, within the key window: replay the request"
-        assert window is not None
-        return self._resend(record, now, provider, detail, window=window, actor_kind="replay")
+        return self._resend_if_covered(
+            record,
+            now,
+            provider,
+            detail,
+            kind="awaiting_evidence",
+            actor_kind="replay",
+            decision="no notification yet, within the key window: replay the request",
+            age=age,  # just read by the database clock
+        )
 
     def _not_found(
         self, record: OperationRecord, now: datetime, provider: Provider, detail: dict[str, Any]
@@ -403,26 +389,51 @@ class Reconciler:
             detail["decision"] = "not found within the grace period: wait"
             self._reschedule(record, now, kind="status_query", detail=detail)
             return "not_found_waiting"
+        return self._resend_if_covered(
+            record,
+            now,
+            provider,
+            detail,
+            kind="status_query",
+            actor_kind="resubmission",
+            decision="not found after grace, within the key window: re-submit",
+        )
+
+    def _resend_if_covered(
+        self,
+        record: OperationRecord,
+        now: datetime,
+        provider: Provider,
+        detail: dict[str, Any],
+        *,
+        kind: str,
+        actor_kind: str,
+        decision: str,
+        age: timedelta | None = None,
+    ) -> str:
+        """Re-send (re-submit or replay) the stored request under its key while the
+        provider's window still covers it; otherwise escalate, never re-sending."""
         window = provider.idempotency_window
         reason = None
         # Judge the window by the database clock now, not the batch's pick time: earlier
-        # checks in the batch may have taken long. The UPDATE below re-checks it.
-        age = self.store.db_time() - record.created_at
+        # checks in the batch may have taken long. The UPDATE in _resend re-checks it.
+        if age is None:
+            age = self.store.db_time() - record.created_at
         if record.resolution in VOID_WANTED:
-            reason = "a void of it was wanted: never re-send"
+            reason = "a void of it was wanted: never re-sent"
         elif window is None:
-            reason = "provider honours no idempotency key: never re-send"
+            reason = "provider honours no idempotency key: never re-sent"
         elif age > window - self.policy.window_margin:
             reason = "past the provider's idempotency window: re-sending could charge twice"
         elif record.request is None or REDACTED in record.request.values():
             reason = "stored request is incomplete (redacted): cannot re-send"
         if reason is not None:
             detail["decision"] = f"escalate: {reason}"
-            self._reschedule(record, now, kind="status_query", detail=detail, attention=True)
+            self._reschedule(record, now, kind=kind, detail=detail, attention=True)
             return "escalated"
-        detail["decision"] = "not found after grace, within the key window: re-submit"
         assert window is not None
-        return self._resend(record, now, provider, detail, window=window, actor_kind="resubmission")
+        detail["decision"] = decision
+        return self._resend(record, now, provider, detail, window=window, actor_kind=actor_kind)
 
     def _resend(
         self,

@@ -12,6 +12,7 @@ notification arrives; a refused one leaves the operation unknown and flagged.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -32,6 +33,7 @@ __all__ = [
     "VOID_RESOLUTION",
     "VOID_WANTED",
     "is_authorisation",
+    "query_of",
     "run_void",
     "void_due",
     "void_refusal",
@@ -45,20 +47,12 @@ class Reconciler(Protocol):
     policy: ReconcilerPolicy
     owner: str
 
-    def _write(self, record: OperationRecord, state: State, **values: Any) -> OperationRecord: ...
+    # Its writes (``Reconciler._write``, ``Reconciler._reschedule``): logged, fenced.
+    @property
+    def _write(self) -> Callable[..., OperationRecord]: ...
 
-    def _reschedule(
-        self,
-        record: OperationRecord,
-        now: datetime,
-        *,
-        kind: str,
-        detail: dict[str, Any],
-        reference: str | None = None,
-        attention: bool = False,
-        keep: bool = False,
-        **extra: Any,
-    ) -> None: ...
+    @property
+    def _reschedule(self) -> Callable[..., None]: ...
 
 
 VOID_REQUESTED = "void_requested"  # resolution of an unknown operation with a void in flight
@@ -70,6 +64,21 @@ VOID_REFUSED = "void_refused"
 VOID_NOTHING_FOUND = "void_nothing_found"
 VOID_WANTED = frozenset({VOID_REQUESTED, VOID_REFUSED, VOID_NOTHING_FOUND})
 _MAX_RACES = 3
+
+
+def query_of(record: OperationRecord) -> dict[str, Any]:
+    """What a status query (or a void) of ``record`` names: ``StatusQuery``'s fields."""
+    return {
+        "tenant_id": record.tenant_id,
+        "operation": record.operation,
+        "operation_id": record.id,
+        "downstream_key": record.downstream_key,
+        "provider_reference": record.provider_reference,
+        "payload": record.request or {},
+        "idempotency_key": record.idempotency_key,
+        "fingerprint": record.fingerprint,
+        "created_at": record.created_at,
+    }
 
 
 def is_authorisation(record: OperationRecord) -> bool:
@@ -130,19 +139,7 @@ def run_void(
 ) -> str:
     """Void a leased operation: mark it, send the void, apply the answer. Returns what
     happened (``voided``, ``void_pending``, ``void_refused``, ``void_unavailable``)."""
-    request = VoidRequest(
-        tenant_id=record.tenant_id,
-        operation=record.operation,
-        operation_id=record.id,
-        downstream_key=record.downstream_key,
-        provider_reference=record.provider_reference,
-        payload=record.request or {},
-        idempotency_key=record.idempotency_key,
-        fingerprint=record.fingerprint,
-        created_at=record.created_at,
-        reason=reason,
-        actor=actor,
-    )
+    request = VoidRequest(**query_of(record), reason=reason, actor=actor)
     if record.resolution != VOID_REQUESTED:
         # Persisted before the call, under the lease this check holds.
         record = rec._write(

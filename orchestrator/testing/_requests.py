@@ -7,6 +7,7 @@ payorch tags follow from both: the request an adapter meets in production.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
@@ -66,15 +67,6 @@ def void_request(
     actor: str = "adapter-kit",
 ) -> VoidRequest:
     """The void of what ``request`` may have authorised (its ``void_key`` from the key)."""
-    return VoidRequest(
-        tenant_id=request.tenant_id,
-        operation=request.operation,
-        operation_id=request.operation_id,
-        downstream_key=request.downstream_key,
-        provider_reference=provider_reference,
-        payload=request.payload,
-        idempotency_key=request.idempotency_key,
-        fingerprint=request.fingerprint,
-        reason=reason,
-        actor=actor,
-    )
+    query = status_query(request, provider_reference)
+    named = {f.name: getattr(query, f.name) for f in dataclasses.fields(query)}
+    return VoidRequest(**named, reason=reason, actor=actor)

@@ -17,12 +17,10 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from types import TracebackType
-from typing import Self
 
 import httpx
 
-from ...clients import HttpClients
+from ...clients import ClosesClients, HttpClients
 from ...errors import ConfigurationError, WebhookRejected
 from ...observing import _tracing as tracing
 from ...provider import (
@@ -60,7 +58,7 @@ CAPABILITIES = frozenset(
 _Classifier = Callable[[Reply], Answer]
 
 
-class AdyenProvider:
+class AdyenProvider(ClosesClients):
     """A :class:`payorch.provider.Provider` for Adyen's Checkout API (v71 shapes).
 
     ``base_url`` is the Checkout endpoint including its version (e.g. ``…/v71``): Adyen's
@@ -205,31 +203,6 @@ class AdyenProvider:
         if item.event is None:  # pragma: no cover - a WebhookItem is one or the other
             raise WebhookRejected("the notification item carries no event")
         return item.event
-
-    # -- lifecycle ---------------------------------------------------------------------------
-
-    def close(self) -> None:
-        self._clients.close()
-
-    async def aclose(self) -> None:
-        await self._clients.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # -- shared request building -----------------------------------------------------------
 

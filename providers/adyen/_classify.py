@@ -13,13 +13,11 @@ later. Neither says the request was not processed: both are possibly sent (AMBIG
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-import httpx
-
+from ...clients import ProviderReply
 from ...provider import Answer, AnswerKind, answer_from_http_status, bounded_raw, parse_retry_after
 
 __all__ = [
@@ -69,37 +67,13 @@ _REFUSED_STATUSES = frozenset({400, 422})
 
 
 @dataclass(frozen=True, kw_only=True)
-class Reply:
+class Reply(ProviderReply):
     """One HTTP reply from Adyen, its body parsed once."""
-
-    status: int
-    headers: httpx.Headers
-    body: dict[str, Any] | None  # the JSON object, or None if the body is not one
-    content: bytes
-
-    @classmethod
-    def from_response(cls, response: httpx.Response) -> Reply:
-        content = response.content
-        try:
-            parsed = json.loads(content)
-        except (ValueError, RecursionError):
-            parsed = None
-        return cls(
-            status=response.status_code,
-            headers=response.headers,
-            body=parsed if isinstance(parsed, dict) else None,
-            content=content,
-        )
 
     @property
     def transient(self) -> bool:
         """``Transient-Error: true``: the same key may be sent again later."""
-        return str(self.headers.get("transient-error", "")).strip().lower() == "true"
-
-    @property
-    def retry_after(self) -> str | None:
-        value = self.headers.get("retry-after")
-        return str(value) if value is not None else None
+        return self.says("transient-error")
 
     @property
     def error(self) -> Mapping[str, Any] | None:

@@ -28,7 +28,7 @@ from standardwebhooks.webhooks import (
     WebhookVerificationError,
 )
 
-from ...clients import HttpClients
+from ...clients import ClosesClients, HttpClients
 from ...errors import (
     ConfigurationError,
     ProviderIdempotencyError,
@@ -101,7 +101,7 @@ def _str_or_none(value: object) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-class SandboxProvider:
+class SandboxProvider(ClosesClients):
     """Talks to :class:`payorch.providers.sandbox.SandboxServer` (or anything with its API)."""
 
     def __init__(
@@ -339,27 +339,6 @@ class SandboxProvider:
             request,
             deadline=time.monotonic() + self._deadline.total_seconds(),
         )
-
-    # -- lifecycle -------------------------------------------------------------------------
-
-    def close(self) -> None:
-        self._clients.close()
-
-    def __enter__(self) -> SandboxProvider:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    async def aclose(self) -> None:
-        """Close both clients this adapter opened (the async one on its own loop)."""
-        await self._clients.aclose()
-
-    async def __aenter__(self) -> SandboxProvider:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
     # -- classification --------------------------------------------------------------------
 

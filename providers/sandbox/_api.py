@@ -183,12 +183,10 @@ class Acquirer:
             return self._post_operation(operation, headers.get("idempotency-key"), body, forced)
         if method != "GET":
             return error_reply(405, "invalid_request_error", "method_not_allowed")
-        wire: Fault | None = None
-        if forced is not None and forced not in (Fault.DECLINE, Fault.PENDING):
-            early = self._fault_before(forced)
-            if early is not None:
-                return early
-            wire = forced if forced in WIRE_FAULTS else None
+        early = self._forced_before(forced)
+        if early is not None:
+            return early
+        wire = forced if forced in WIRE_FAULTS else None
         return replace(self._get(path, parse_qs(parts.query)), wire=wire)
 
     def _get(self, path: str, query: Mapping[str, list[str]]) -> Reply:
@@ -276,10 +274,9 @@ class Acquirer:
             return error_reply(
                 400, "invalid_request_error", "parameter_invalid", param="idempotency_key"
             )
-        if forced is not None and forced not in (Fault.DECLINE, Fault.PENDING):
-            early = self._fault_before(forced)
-            if early is not None:
-                return early
+        early = self._forced_before(forced)
+        if early is not None:
+            return early
         if self._idempotency.in_flight(key):
             reply = error_reply(409, "idempotency_error", "request_in_progress")
             return replace(reply, headers={"Retry-After": self._retry_after})
@@ -303,6 +300,13 @@ class Acquirer:
         if not isinstance(payload.get("metadata", {}), dict):
             return error_reply(400, "invalid_request_error", "parameter_invalid", param="metadata")
         return payload
+
+    def _forced_before(self, forced: Fault | None) -> Reply | None:
+        """The answer of a fault forced by header that acts before any work (a decline or a
+        pending outcome only means something for a payment), or None to go on."""
+        if forced is None or forced in (Fault.DECLINE, Fault.PENDING):
+            return None
+        return self._fault_before(forced)
 
     def _fault_before(self, fault: Fault) -> Reply | None:
         """The answer of a fault that acts before any work, or None to go on."""

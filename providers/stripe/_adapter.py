@@ -23,12 +23,10 @@ import math
 import time
 from collections.abc import Iterator, Mapping
 from datetime import datetime, timedelta
-from types import TracebackType
-from typing import Self
 
 import httpx
 
-from ...clients import HttpClients
+from ...clients import ClosesClients, HttpClients
 from ...errors import ConfigurationError
 from ...observing import _tracing as tracing
 from ...provider import (
@@ -77,7 +75,7 @@ CAPABILITIES = frozenset(
 )
 
 
-class StripeProvider:
+class StripeProvider(ClosesClients):
     """A :class:`payorch.provider.Provider` for Stripe's v1 API.
 
     ``payment.create`` creates and confirms a PaymentIntent. With ``capture_method="manual"``
@@ -230,32 +228,6 @@ class StripeProvider:
         return parse_stripe_webhook(
             headers, body, secret=self._webhook_secret, tolerance=self._webhook_tolerance
         )
-
-    # -- lifecycle ---------------------------------------------------------------------------
-
-    def close(self) -> None:
-        self._clients.close()
-
-    async def aclose(self) -> None:
-        """Close both clients this adapter opened (the async one on its own loop)."""
-        await self._clients.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # -- HTTP: two drivers of one flow -----------------------------------------------------
 

@@ -11,13 +11,11 @@ and Refund objects and their ``status`` enums, and the ``Idempotent-Replayed`` a
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-import httpx
-
+from ...clients import ProviderReply
 from ...errors import ProviderIdempotencyError
 from ...provider import Answer, AnswerKind, answer_from_http_status, bounded_raw, parse_retry_after
 
@@ -100,40 +98,16 @@ _PRECEDENCE = (
 
 
 @dataclass(frozen=True, kw_only=True)
-class Reply:
+class Reply(ProviderReply):
     """One HTTP reply from Stripe, its body parsed once."""
-
-    status: int
-    headers: httpx.Headers
-    body: dict[str, Any] | None  # the JSON object, or None if the body is not one
-    content: bytes
-
-    @classmethod
-    def from_response(cls, response: httpx.Response) -> Reply:
-        content = response.content
-        try:
-            parsed = json.loads(content)
-        except (ValueError, RecursionError):  # not JSON / not UTF-8 / absurdly nested
-            parsed = None
-        return cls(
-            status=response.status_code,
-            headers=response.headers,
-            body=parsed if isinstance(parsed, dict) else None,
-            content=content,
-        )
 
     @property
     def replayed(self) -> bool:
-        return str(self.headers.get("idempotent-replayed", "")).strip().lower() == "true"
+        return self.says("idempotent-replayed")
 
     @property
     def should_retry(self) -> bool:
-        return str(self.headers.get("stripe-should-retry", "")).strip().lower() == "true"
-
-    @property
-    def retry_after(self) -> str | None:
-        value = self.headers.get("retry-after")
-        return str(value) if value is not None else None
+        return self.says("stripe-should-retry")
 
     @property
     def error(self) -> Mapping[str, Any] | None:

@@ -20,6 +20,7 @@ from ._effects import effects_app
 from ._health import health_cmd
 from ._keys import keys_app
 from ._ops import ops_app
+from ._outbox import outbox_app
 from ._reconcile import reconcile_app
 from ._runtime import DatabaseUrl, database_url, err, out
 from ._sandbox import sandbox_app
@@ -142,6 +143,7 @@ def _logging(
 
 app.add_typer(db_app, name="db")
 app.add_typer(ops_app, name="ops")
+app.add_typer(outbox_app, name="outbox")
 app.add_typer(effects_app, name="effects")
 app.add_typer(keys_app, name="keys")
 app.add_typer(reconcile_app, name="reconcile")

@@ -10,7 +10,7 @@ import typer
 from rich.text import Text
 
 from . import _render as render
-from ._runtime import DatabaseUrl, JsonFlag, err, open_store, out, reconciler, settings
+from ._runtime import DatabaseUrl, JsonFlag, err, open_store, out, reconciler, relay, settings
 
 if TYPE_CHECKING:
     from ..reconciling._reconciler import Reconciler, ReconcileReport
@@ -133,6 +133,7 @@ def run_cmd(
     with (
         open_store(database_url) as store,
         reconciler(store, config, batch=batch, concurrency=concurrency) as rec,
+        relay(store, config, required=False) as relaying,  # with PAYORCH_OUTBOX_SINKS set
     ):
         watch = unexplained_watch(rec, config)  # refused, if it is, before starting
         logs.reconciler_started(rec.owner, seconds)
@@ -142,6 +143,8 @@ def run_cmd(
             on_report=on_report,
             monitor=monitor,
             unexplained=watch,
+            relay=relaying,
+            relay_interval=timedelta(seconds=config.outbox_interval_seconds),
         )
 
         def serving() -> None:  # bound, before the first pass

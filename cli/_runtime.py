@@ -17,6 +17,7 @@ from rich.console import Console
 from ..errors import ConfigurationError, DatabaseUnavailable
 
 if TYPE_CHECKING:
+    from ..outbox import Relay
     from ..provider import Provider
     from ..reconciling._reconciler import Reconciler
     from ..settings import Settings
@@ -34,6 +35,7 @@ __all__ = [
     "out",
     "parse_duration",
     "reconciler",
+    "relay",
     "settings",
 ]
 
@@ -94,7 +96,15 @@ def open_store(url: str | None, *, require_sync_standby: bool | None = None) -> 
             raise DatabaseUnavailable(
                 f"no database at {path} (run `payorch db upgrade` or pass --database-url)"
             )
-    store = Store(create_engine(parsed), require_sync_standby=require_sync_standby)
+    hooks = None
+    config = settings()
+    if config.outbox_hooks:  # every process that may settle operations stages their messages
+        from ..storage._outbox import load_hooks
+
+        hooks = load_hooks(config.outbox_hooks)
+    store = Store(
+        create_engine(parsed), require_sync_standby=require_sync_standby, outbox_hooks=hooks
+    )
     try:
         yield store
     finally:
@@ -212,3 +222,24 @@ def reconciler(
             close = getattr(provider, "close", None)
             if callable(close):
                 close()
+
+
+@contextmanager
+def relay(store: Store, config: Settings, *, required: bool) -> Iterator[Relay | None]:
+    """The outbox relay over ``PAYORCH_OUTBOX_SINKS`` (None when unset and not ``required``);
+    its sinks close on exit."""
+    if not config.outbox_sinks:
+        if required:
+            raise ConfigurationError(
+                "no sinks: set PAYORCH_OUTBOX_SINKS to module:attribute (a mapping of "
+                "destination names to sinks)"
+            )
+        yield None
+        return
+    from ..outbox import Relay, RelayPolicy, load_sinks
+
+    policy = RelayPolicy(
+        batch_size=config.outbox_batch_size, max_attempts=config.outbox_max_attempts
+    )
+    with Relay(store, load_sinks(config.outbox_sinks), policy=policy) as made:
+        yield made

@@ -23,12 +23,18 @@ and may have reached the provider. No error ever invites a new key.
     │   ├── UnencodableRequest              400  no canonical JSON form (surrogate, NaN, set…)
     │   ├── RequestBodyNotJson              400  an HTTP request body that is not JSON
     │   ├── UnknownProvider                 400  the caller named a provider not configured
-    │   └── ListingUnsupported              400  that provider's adapter cannot list effects
+    │   ├── ListingUnsupported              400  that provider's adapter cannot list effects
+    │   └── InvalidMessage                  400  an outbox or consumer message that cannot
+    │                                            be stored (no id, not JSON, too long)
     ├── IdempotencyError
     │   ├── IdempotencyKeyReused            422  same namespace, other fingerprint
     │   ├── OperationInProgress             409  + retry_after
     │   └── IdempotencyKeyExpired           410  namespace past retention (tombstone)
     ├── OperationNotFound                   404
+    │   └── MessageNotFound                 404  no outbox message with that id
+    ├── EffectFailed                        422  a recorded final failure of an effect
+    ├── EffectOutcomeUnknown                202  an effect may have happened: escalated,
+    │                                            never run again; same key later
     ├── StateConflict                       409
     │   ├── StaleVersion                    409  compare-and-set lost (fencing)
     │   └── InvalidTransition               409  the state machine forbids it
@@ -40,6 +46,8 @@ and may have reached the provider. No error ever invites a new key.
     │   ├── ProviderIdempotencyError        502  provider says our key was reused differently
     │   ├── ProviderUnavailable             503  + retry_after; nothing was sent: same key
     │   └── ProviderListingFailed           502  a listing of effects could not be read
+    ├── DeliveryFailed                      502  a sink did not take an outbox message (the
+    │                                            relay tries again later, or dead-letters)
     ├── WebhookRejected                     400
     │   ├── WebhookSignatureInvalid         400  missing/bad signature or stale timestamp
     │   └── WebhookMalformed                400  not JSON / not the provider's shape
@@ -63,15 +71,20 @@ __all__ = [
     "CorruptRecord",
     "DatabaseReadOnly",
     "DatabaseUnavailable",
+    "DeliveryFailed",
+    "EffectFailed",
+    "EffectOutcomeUnknown",
     "IdempotencyError",
     "IdempotencyKeyExpired",
     "IdempotencyKeyReused",
     "InvalidIdempotencyKey",
+    "InvalidMessage",
     "InvalidMoney",
     "InvalidRequest",
     "InvalidTenant",
     "InvalidTransition",
     "ListingUnsupported",
+    "MessageNotFound",
     "OperationInProgress",
     "OperationNotFound",
     "OutcomeNotRecorded",
@@ -384,3 +397,61 @@ class ProviderListingFailed(ProviderError):
     def __init__(self, message: str, *, code: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+
+
+class InvalidMessage(InvalidRequest):
+    """A message that cannot be stored as it is: an outbox payload with no JSON form, an
+    empty or over-long type, aggregate or destination, a consumer's message with no id.
+    Refused before anything is written."""
+
+    problem_type = "urn:payorch:problem:invalid-message"
+
+
+class MessageNotFound(OperationNotFound):
+    """No outbox message with that id (in that tenant)."""
+
+    problem_type = "urn:payorch:problem:message-not-found"
+
+
+class EffectFailed(PayorchError):
+    """The effect's recorded final failure (an exception its caller declared final), the
+    same on every call under the key: fix the request; a new key is a new effect.
+    ``error_type`` and ``error_message`` are what was recorded."""
+
+    http_status = 422
+    problem_type = "urn:payorch:problem:effect-failed"
+
+    def __init__(
+        self, message: str, *, effect_id: str, error_type: str, error_message: str
+    ) -> None:
+        super().__init__(message, operation_id=effect_id)
+        self.effect_id = effect_id
+        self.error_type = error_type
+        self.error_message = error_message
+
+
+class EffectOutcomeUnknown(PayorchError):
+    """The effect may have happened and cannot be run again safely: it is escalated
+    (``needs_attention``) and waits for an operator. Ask again with the same key later,
+    never a new one."""
+
+    http_status = 202
+    problem_type = "urn:payorch:problem:effect-outcome-unknown"
+    retry_after: float = 60.0
+
+    def __init__(self, message: str, *, effect_id: str) -> None:
+        super().__init__(message, operation_id=effect_id)
+        self.effect_id = effect_id
+
+
+class DeliveryFailed(PayorchError):
+    """A sink did not take an outbox message (raised by a sink, handled by the relay): it is
+    tried again after a backoff, or after ``retry_after`` seconds when the receiver said so,
+    and dead-lettered after the relay's ``max_attempts``."""
+
+    http_status = 502
+    problem_type = "urn:payorch:problem:delivery-failed"
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -57,6 +57,13 @@ class Settings(BaseSettings):
     unexplained_window_seconds: float = Field(default=24 * 3600.0, gt=0, le=366 * 86400.0)
     unexplained_providers: str = ""
     unexplained_adopt: bool = False
+    # The outbox (payorch.outbox): the hooks every process that settles operations loads,
+    # and the sinks the daemon's relay delivers to, each a module:attribute import path.
+    outbox_hooks: str | None = Field(default=None, pattern=r"^[\w.]+:[\w.]+$")
+    outbox_sinks: str | None = Field(default=None, pattern=r"^[\w.]+:[\w.]+$")
+    outbox_interval_seconds: float = Field(default=2.0, gt=0, allow_inf_nan=False)
+    outbox_max_attempts: int = Field(default=12, gt=0, le=1000)
+    outbox_batch_size: int = Field(default=50, gt=0, le=1000)
     sandbox_url: str = "http://127.0.0.1:8765"
     sandbox_webhook_secret: str | None = None
     stripe_api_key: str | None = None

@@ -29,7 +29,7 @@ from payorch.operations import default_registry
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.storage._async_store import AsyncStore
 from payorch.storage._store import Store
-from payorch.storage._tables import events, operations, webhook_inbox
+from payorch.storage._tables import effects, events, operations, outbox, webhook_inbox
 
 # Fixtures shared by one family of test modules, kept beside that family's helpers.
 pytest_plugins = ["stripe_helpers", "unexplained_helpers", "stripe_emulator", "adyen_emulator"]
@@ -106,7 +106,7 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _truncate(url: str) -> None:
     engine = sa.create_engine(url)
     with engine.begin() as conn:
-        names = ", ".join(t.name for t in (operations, events, webhook_inbox))
+        names = ", ".join(t.name for t in (operations, events, webhook_inbox, outbox, effects))
         conn.exec_driver_sql(f"TRUNCATE {names}")
     engine.dispose()
 

@@ -54,6 +54,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "providers": frozenset({"base", "observing"}),
     "over": frozenset({"base", "observing", "storage", "execution", "reconciling"}),
     "migrations": frozenset({"base", "observing", "storage", "over"}),
+    # After the payment: the outbox and its relay, and effects done once, over the store.
+    "outbox": frozenset({"base", "observing", "storage"}),
+    "once": frozenset({"base", "observing", "storage"}),
     # The adapter kit drives an adapter through a real store, executor and webhook handler.
     "testing": frozenset({"base", "observing", "storage", "execution", "reconciling", "over"}),
     "cli": frozenset(
@@ -67,6 +70,8 @@ ALLOWED: dict[str, frozenset[str]] = {
             "integrations",
             "providers",
             "over",
+            "outbox",
+            "once",
         }
     ),
 }
@@ -223,7 +228,7 @@ def layer(name: str) -> str:
     parts = name.split(".")
     if name == "payorch":
         return "root"
-    if parts[1] in ("cli", "providers", "migrations", "testing"):
+    if parts[1] in ("cli", "providers", "migrations", "testing", "outbox", "once"):
         return parts[1]
     if parts[1] in WINGS:
         return parts[1]

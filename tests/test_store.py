@@ -267,7 +267,11 @@ def test_migrations_match_table_definitions(db_url: str) -> None:
 
 # The documented exception (docs/semantics.md, "Schema"): look-up by id alone. Not unique,
 # so it constrains nothing across tenants and shards like any other index.
-NOT_TENANT_LED = {"ix_payorch_operations_id": (["id"], False)}
+NOT_TENANT_LED = {
+    "ix_payorch_operations_id": (["id"], False),
+    "ix_payorch_outbox_id": (["id"], False),
+    "ix_payorch_effects_id": (["id"], False),
+}
 
 
 def test_every_key_and_index_leads_with_tenant(db_url: str) -> None:
@@ -275,7 +279,8 @@ def test_every_key_and_index_leads_with_tenant(db_url: str) -> None:
     try:
         insp = sa.inspect(engine)
         exceptions = {}
-        for table in ("payorch_operations", "payorch_events", "payorch_webhook_inbox"):
+        tables = ("payorch_operations", "payorch_events", "payorch_webhook_inbox")
+        for table in (*tables, "payorch_outbox", "payorch_effects"):
             assert insp.get_pk_constraint(table)["constrained_columns"][0] == "tenant_id"
             for uq in insp.get_unique_constraints(table):
                 assert uq["column_names"][0] == "tenant_id"

@@ -31,6 +31,7 @@ from ..reconciling._async import AsyncWebhookHandler
 from ..reconciling._webhooks import WebhookHandler
 from ..settings import Settings
 from ..storage._async_store import AsyncStore
+from ..storage._outbox import OutboxHooks, load_hooks
 from ..storage._store import Store
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
 Tenant = Callable[[HttpRequest], "str | None"]
 _KEYS = {  # unknown keys are refused: a typo would be silent
     "DATABASE_URL",
+    "OUTBOX_HOOKS",
     "PROVIDERS",
     "REGISTRY",
     "TENANT",
@@ -131,6 +133,7 @@ class PayorchConfig:
     tenant: Tenant
     lease: timedelta
     operation_url: str | None  # the URL name a 201/202's Location reverses
+    outbox_hooks: OutboxHooks | None = None  # what settling an operation stages
 
     @classmethod
     def from_settings(cls) -> PayorchConfig:
@@ -150,7 +153,21 @@ class PayorchConfig:
             tenant=tenant_resolver(raw.get("TENANT", "header:X-Tenant-Id")),
             lease=timedelta(seconds=lease),
             operation_url=raw.get("OPERATION_URL", "payorch-operation"),
+            outbox_hooks=_hooks(raw.get("OUTBOX_HOOKS") or Settings().outbox_hooks),
         )
+
+
+def _hooks(spec: Any) -> OutboxHooks | None:
+    """``PAYORCH['OUTBOX_HOOKS']``: an ``OutboxHooks``, its dotted path, or its
+    ``module:attribute`` path (as ``PAYORCH_OUTBOX_HOOKS`` gives it)."""
+    if spec is None:
+        return None
+    if isinstance(spec, str) and ":" in spec:
+        return load_hooks(spec)
+    value = _load(spec, "OUTBOX_HOOKS")
+    if not isinstance(value, OutboxHooks):
+        raise ConfigurationError("PAYORCH['OUTBOX_HOOKS'] must give a payorch OutboxHooks")
+    return value
 
 
 def _providers(spec: Any) -> list[Provider]:
@@ -213,7 +230,9 @@ class _Runtime:
         with self.lock:
             if self.executor is None or self.webhooks is None:
                 config, providers, registry = self.settings()
-                store = self.store = Store.from_url(config.database_url)
+                store = self.store = Store.from_url(
+                    config.database_url, outbox_hooks=config.outbox_hooks
+                )
                 self.executor = Executor(
                     store=store, providers=providers, registry=registry, lease=config.lease
                 )
@@ -233,7 +252,9 @@ class _Runtime:
             if self.aexecutor is None or self.awebhooks is None:
                 config, providers, registry = self.settings()
                 adapters = [cast(AsyncProvider, p) for p in providers]
-                store = self.astore = AsyncStore.from_url(config.database_url)
+                store = self.astore = AsyncStore.from_url(
+                    config.database_url, outbox_hooks=config.outbox_hooks
+                )
                 self.aexecutor = AsyncExecutor(
                     store=store, providers=adapters, registry=registry, lease=config.lease
                 )

@@ -51,6 +51,7 @@ from ..provider import AsyncProvider
 from ..reconciling._async import AsyncWebhookHandler
 from ..settings import Settings
 from ..storage._async_store import AsyncStore
+from ..storage._outbox import OutboxHooks, load_hooks
 from ._fastapi_tenants import TenantResolver, header_tenant, path_tenant, principal_tenant
 
 __all__ = [
@@ -211,6 +212,7 @@ class Payorch:
         lease: timedelta = timedelta(seconds=60),
         retry: RetryPolicy | None = None,
         max_body: int = DEFAULT_MAX_BODY,
+        outbox_hooks: OutboxHooks | None = None,
     ) -> None:
         if url is not None and store is not None:
             raise ConfigurationError("give Payorch a database url or a store, not both")
@@ -220,7 +222,16 @@ class Payorch:
         if not self.providers:
             raise ConfigurationError("Payorch needs at least one provider adapter")
         self._owns_store = store is None
-        self.store = store or AsyncStore.from_url(url or Settings().database_url)
+        if store is None:
+            config = Settings()
+            if outbox_hooks is None and config.outbox_hooks:
+                outbox_hooks = load_hooks(config.outbox_hooks)
+            store = AsyncStore.from_url(url or config.database_url, outbox_hooks=outbox_hooks)
+        elif outbox_hooks is not None:
+            raise ConfigurationError(
+                "give the store its outbox_hooks (AsyncStore(..., outbox_hooks=))"
+            )
+        self.store = store
         if registry is None:  # one provider: every built-in operation runs on it
             registry = default_registry(
                 self.providers[0].name if len(self.providers) == 1 else None

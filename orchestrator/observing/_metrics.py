@@ -43,6 +43,7 @@ __all__ = [
     "checked",
     "counts_executions",
     "counts_webhooks",
+    "delivery",
     "enabled",
     "escalated",
     "exposition",
@@ -142,6 +143,15 @@ if prometheus_client is not None:
     )
     PASSES = _counter(
         "reconciler_passes", "Daemon passes: ok, skipped (database away), failed", "result"
+    )
+    DELIVERIES = _counter(
+        "outbox_deliveries",
+        "Outbox delivery attempts by destination and result: delivered, failed, dead",
+        "destination",
+        "result",
+    )
+    DELIVERY_SECONDS = _histogram(
+        "outbox_delivery_duration_seconds", "Latency of one sink delivery", _SLOW, "destination"
     )
     LAST_PASS = Gauge(
         "payorch_reconciler_last_pass_timestamp_seconds",
@@ -261,6 +271,13 @@ def escalated(reason: str) -> None:
         _child(_escalations, ESCALATIONS, reason).inc()
 
 
+def delivery(destination: str, result: str, seconds: float) -> None:
+    """One outbox delivery attempt to ``destination`` ended with ``result``."""
+    if _enabled:
+        DELIVERIES.labels(destination, result).inc()
+        DELIVERY_SECONDS.labels(destination).observe(seconds)
+
+
 def pass_finished(result: str) -> None:
     if _enabled:
         PASSES.labels(result).inc()
@@ -374,8 +391,36 @@ class StoreGauges(Collector):
             gauge = GaugeMetricFamily(name, text)
             gauge.add_metric([], values[key])
             yield gauge
+        if "outbox" in values:
+            yield from _outbox_gauges(values["outbox"], values.get("effects_attention", 0))
         if "replication" in values:
             yield from _replication_gauges(values["replication"])
+
+
+def _outbox_gauges(box: Mapping[str, Any], effects_attention: int) -> Iterator[Any]:
+    """The outbox's backlog and dead letters, and payorch.once's escalated effects."""
+    messages = GaugeMetricFamily(
+        "payorch_outbox_messages", "Outbox messages not delivered, by state", labels=["state"]
+    )
+    messages.add_metric(["pending"], box["pending"])
+    messages.add_metric(["dead"], box["dead"])
+    yield messages
+    for name, text, value in (
+        ("payorch_outbox_due_messages", "Outbox messages due for delivery now", box["due"]),
+        (
+            "payorch_outbox_oldest_pending_age_seconds",
+            "Age of the oldest pending outbox message (0: none)",
+            box["oldest_pending_age"],
+        ),
+        (
+            "payorch_effects_needs_attention",
+            "Effects (payorch.once) escalated for a human",
+            effects_attention,
+        ),
+    ):
+        gauge = GaugeMetricFamily(name, text)
+        gauge.add_metric([], value)
+        yield gauge
 
 
 def _replication_gauges(status: Mapping[str, Any]) -> Iterator[Any]:

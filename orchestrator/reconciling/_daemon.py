@@ -9,7 +9,9 @@ checks in flight finish, the rest of the batch is handed back (leases released),
 process exits.
 
 Opt-in, a second job (same defaults) looks for provider effects no operation explains
-(:class:`~payorch.reconciling._watch.UnexplainedWatch`, ``PAYORCH_UNEXPLAINED_EVERY_SECONDS``).
+(:class:`~payorch.reconciling._watch.UnexplainedWatch`, ``PAYORCH_UNEXPLAINED_EVERY_SECONDS``);
+with sinks configured (``PAYORCH_OUTBOX_SINKS``), a third drains the outbox
+(:class:`payorch.outbox.Relay`) every ``PAYORCH_OUTBOX_INTERVAL_SECONDS``.
 
 With a monitoring address the daemon also serves, on a small threaded HTTP server:
 ``/metrics`` (Prometheus text format; 404 without the ``payorch[metrics]`` extra),
@@ -32,7 +34,7 @@ from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from ipaddress import ip_address
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
@@ -46,7 +48,13 @@ from ._reconciler import Reconciler, ReconcileReport
 if TYPE_CHECKING:
     from ._watch import UnexplainedWatch
 
-__all__ = ["MonitorServer", "ReconcilerDaemon", "parse_address"]
+__all__ = ["Drains", "MonitorServer", "ReconcilerDaemon", "parse_address"]
+
+class Drains(Protocol):
+    """What the daemon's outbox job runs (a :class:`payorch.outbox.Relay`)."""
+
+    def drain(self, stop: threading.Event | None = None) -> Any: ...
+
 
 STALE_PASSES = 3  # /readyz fails when no pass finished within this many intervals
 
@@ -62,6 +70,8 @@ class ReconcilerDaemon:
         on_report: Callable[[ReconcileReport], None] | None = None,
         monitor: tuple[str, int] | None = None,
         unexplained: UnexplainedWatch | None = None,
+        relay: Drains | None = None,
+        relay_interval: timedelta = timedelta(seconds=2),
     ) -> None:
         if interval <= timedelta(0):
             raise ValueError("interval must be positive")
@@ -73,6 +83,7 @@ class ReconcilerDaemon:
         self._on_report = on_report
         self._monitor_address = monitor
         self.unexplained = unexplained  # the opt-in look for effects no operation explains
+        self.relay, self.relay_interval = relay, relay_interval  # the outbox, if configured
         self.monitor: MonitorServer | None = None
         self.started_at = time.monotonic()
         self.last_pass_at: float | None = None  # monotonic end of the last successful pass
@@ -115,6 +126,15 @@ class ReconcilerDaemon:
             self.unexplained.run()
         except Exception:  # a bad look must not kill the daemon; the next one retries
             log.exception("look for unexplained effects failed")
+
+    def _relay_outbox(self) -> None:
+        assert self.relay is not None
+        try:
+            self.relay.drain(stop=self.stop_event)
+        except StorageError as exc:  # the database is away: the next tick retries
+            log.warning("outbox pass skipped: %s", " ".join(exc.message.split()))
+        except Exception:  # a bad pass must not kill the daemon; the next one retries
+            log.exception("outbox pass failed")
 
     def readiness(self) -> str | None:
         """Why the daemon is not ready (``None``: ready): the database must answer as a
@@ -163,6 +183,14 @@ class ReconcilerDaemon:
                 "interval",
                 seconds=self.unexplained.every.total_seconds(),
                 id="unexplained",
+            )
+        if self.relay is not None:
+            self._scheduler.add_job(
+                self._relay_outbox,
+                "interval",
+                seconds=self.relay_interval.total_seconds(),
+                id="outbox",
+                next_run_time=datetime.now(UTC),
             )
         self._scheduler.start()
         self._scheduler.modify_job("reconcile", next_run_time=datetime.now(UTC))

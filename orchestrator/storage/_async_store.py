@@ -17,6 +17,7 @@ from ..errors import CorruptRecord
 from ..records import ClaimResult, EventRecord, NewOperation, OperationRecord
 from ._bridge import run_bridged
 from ._engine import create_async_engine
+from ._outbox import OutboxHooks
 from ._replication import Status
 from ._store import QUARANTINE_HOLD, Store
 
@@ -34,15 +35,27 @@ class AsyncStore:
     coroutines. ``sync`` is the store the async executor and handler drive under the bridge.
     """
 
-    def __init__(self, engine: AsyncEngine, *, require_sync_standby: bool | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        require_sync_standby: bool | None = None,
+        outbox_hooks: OutboxHooks | None = None,
+    ) -> None:
         self.engine = engine
-        self.sync = Store(engine.sync_engine, require_sync_standby=require_sync_standby)
+        self.sync = Store(
+            engine.sync_engine,
+            require_sync_standby=require_sync_standby,
+            outbox_hooks=outbox_hooks,
+        )
         self.dialect = self.sync.dialect
 
     @classmethod
-    def from_url(cls, url: str | URL, **engine_kwargs: Any) -> AsyncStore:
+    def from_url(
+        cls, url: str | URL, *, outbox_hooks: OutboxHooks | None = None, **engine_kwargs: Any
+    ) -> AsyncStore:
         """An async engine configured as :func:`payorch.db.create_engine` configures one."""
-        return cls(create_async_engine(url, **engine_kwargs))
+        return cls(create_async_engine(url, **engine_kwargs), outbox_hooks=outbox_hooks)
 
     async def check_replication(self) -> Status:
         """The start-up check of :meth:`payorch.storage._replication.Guard.check`, awaited: the

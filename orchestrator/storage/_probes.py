@@ -15,7 +15,7 @@ from ..core import State
 from ..errors import DatabaseReadOnly
 from ._engine import read_in_transaction
 from ._replication import MODES, Guard, Status
-from ._tables import db_now, is_active, is_flagged, operations
+from ._tables import db_now, effects, is_active, is_dead, is_flagged, is_pending, operations, outbox
 
 __all__ = ["Probed", "read_gauges", "replication"]
 
@@ -51,6 +51,18 @@ def read_gauges(store: Probed) -> dict[str, Any]:
         .group_by(t.state)
     )
     flagged = sa.select(sa.func.count()).select_from(operations).where(is_flagged())
+    o = outbox.c
+    # The outbox's backlog and dead letters (each its own partial index), and the effects
+    # of payorch.once waiting for a human.
+    pending = sa.select(
+        sa.func.count(),
+        sa.func.count().filter(o.next_attempt_at <= db_now()),
+        sa.func.min(o.created_at),
+    ).where(is_pending())
+    dead = sa.select(sa.func.count()).select_from(outbox).where(is_dead())
+    effects_flagged = (
+        sa.select(sa.func.count()).select_from(effects).where(sa.and_(effects.c.needs_attention))
+    )
 
     def read(conn: sa.Connection) -> dict[str, Any]:
         now = conn.execute(sa.select(db_now())).scalar_one()
@@ -62,11 +74,20 @@ def read_gauges(store: Probed) -> dict[str, Any]:
             if state == State.OUTCOME_UNKNOWN.value:
                 oldest_unknown = oldest
         age = (now - oldest_unknown).total_seconds() if oldest_unknown is not None else 0.0
+        waiting, due_messages, oldest_message = conn.execute(pending).one()
+        message_age = (now - oldest_message).total_seconds() if oldest_message else 0.0
         return {
             "by_state": by_state,
             "due": due_now,
             "attention": int(conn.execute(flagged).scalar_one()),
             "oldest_unknown_age": max(age, 0.0),
+            "outbox": {
+                "pending": int(waiting),
+                "due": int(due_messages),
+                "dead": int(conn.execute(dead).scalar_one()),
+                "oldest_pending_age": max(message_age, 0.0),
+            },
+            "effects_attention": int(conn.execute(effects_flagged).scalar_one()),
         }
 
     values = read_in_transaction(store.engine, read)

@@ -7,10 +7,10 @@ Every write is one statement guarded by a constraint or a version:
   transaction; a lost compare-and-set raises :class:`StaleVersion` and changes nothing.
 
 On PostgreSQL the claim and the plain transitions are each one data-modifying statement run
-in autocommit (``_statements.PG_CLAIM``, ``pg_transition_sql``): one round trip apiece.
-
-Times are the database's (``db_now``), so hosts with skewed clocks agree on leases.
-"""
+in autocommit (``_statements.PG_CLAIM``, ``pg_transition_sql``): one round trip apiece. Times
+are the database's (``db_now``), so hosts with skewed clocks agree on leases. A terminal
+transition that stages outbox messages (``_outbox.OutboxHooks``) writes them in its own
+transaction."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from . import _probes as probes
 from . import _replication as replication
 from ._claims import claim_uncertain, duplicate_kind, look_again_after
 from ._engine import create_engine, run_in_transaction, run_statement, schema_of
+from ._outbox import OutboxHooks, insert_rows, staging
 from ._pooling import listen_dsn
 from ._reads import Reads
 from ._replays import Replays
@@ -67,8 +68,15 @@ _TAKE_OVER_ATTEMPTS = 3  # racing requests for one released operation: then "in 
 class Store(Reads, Replays, WorkQueue):
     """Operations and their events on PostgreSQL or SQLite."""
 
-    def __init__(self, engine: Engine, *, require_sync_standby: bool | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        require_sync_standby: bool | None = None,
+        outbox_hooks: OutboxHooks | None = None,
+    ) -> None:
         self.engine, self.dialect = engine, engine.dialect.name
+        self.outbox_hooks = outbox_hooks  # what settling stages, in the same transaction
         self.replication = replication.Guard(engine, require_sync_standby=require_sync_standby)
         # Hot statements are built once: SQLAlchemy then skips coercion and cache-key work.
         self._claim_stmt = build_claim(
@@ -81,14 +89,15 @@ class Store(Reads, Replays, WorkQueue):
         reset_in_child(self, Store._forget_listener)
 
     def _forget_listener(self) -> None:
-        # In a forked child: the LISTEN connection and its thread are the parent's (the
-        # engine's pool is renewed by the engine's own reset). Dropped, not closed.
+        # In a forked child the LISTEN connection is the parent's: dropped, not closed.
         self._listener = None
         self._listener_lock = threading.Lock()
 
     @classmethod
-    def from_url(cls, url: str | URL, **engine_kwargs: Any) -> Store:
-        return cls(create_engine(url, **engine_kwargs))
+    def from_url(
+        cls, url: str | URL, *, outbox_hooks: OutboxHooks | None = None, **kw: Any
+    ) -> Store:
+        return cls(create_engine(url, **kw), outbox_hooks=outbox_hooks)
 
     def close(self) -> None:
         if self._listener is not None:
@@ -479,7 +488,8 @@ class Store(Reads, Replays, WorkQueue):
             u_checks=checks_delta,
             u_channel=NOTIFY_CHANNEL,
         )
-        if self.is_postgres and guard is None and also is None:
+        hooks = staging(self.outbox_hooks, record.operation, to_state)
+        if self.is_postgres and guard is None and also is None and hooks is None:
             event = {"id": new_id(), "kind": kind, "actor": actor, "detail": detail}
             return pg_writes.transition(
                 self.engine, self._pg_updates, record, shape=shape, params=params, event=event
@@ -509,6 +519,8 @@ class Store(Reads, Replays, WorkQueue):
             )
             if also is not None:
                 also(conn, updated)
+            if hooks is not None:  # the messages commit with the outcome, or neither does
+                insert_rows(conn, hooks.rows(updated))
             return updated
 
         return run_in_transaction(self.engine, txn)
@@ -578,10 +590,8 @@ class Store(Reads, Replays, WorkQueue):
     # -- waiting ----------------------------------------------------------------------
 
     def wait_until_settled(self, record: OperationRecord, wait: timedelta) -> OperationRecord:
-        """Wait up to ``wait`` for ``record`` to leave ``in_progress``; return it as it is then.
-
-        PostgreSQL waiters sleep on LISTEN/NOTIFY; SQLite waiters poll with backoff.
-        """
+        """Wait up to ``wait`` for ``record`` to leave ``in_progress``; return it as it is then
+        (PostgreSQL waiters sleep on LISTEN/NOTIFY; SQLite waiters poll with backoff)."""
         return wait_until_settled(self, record, wait)
 
     # -- helpers ----------------------------------------------------------------------

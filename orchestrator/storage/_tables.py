@@ -27,15 +27,20 @@ from ..records import Undecodable
 
 __all__ = [
     "ACTIVE_STATE_VALUES",
+    "OUTBOX_STATE_VALUES",
     "StoredJSON",
     "UTCDateTime",
     "db_now",
     "db_now_plus",
+    "effects",
     "events",
     "is_active",
+    "is_dead",
     "is_flagged",
+    "is_pending",
     "metadata",
     "operations",
+    "outbox",
     "webhook_inbox",
 ]
 
@@ -255,4 +260,108 @@ webhook_inbox = sa.Table(
     sa.Index("ix_payorch_webhook_inbox_result", "tenant_id", "result", "received_at"),
     # The reaper clears the bodies of one operation's deliveries.
     sa.Index("ix_payorch_webhook_inbox_operation", "tenant_id", "operation_id"),
+)
+
+# -- after the payment: the outbox and the effects done once --------------------------------
+
+OUTBOX_STATE_VALUES = ("pending", "delivered", "dead")
+
+# The transactional outbox. ``id``, ``aggregatetype``, ``aggregateid``, ``type`` and
+# ``payload`` are the columns (and names) Debezium's outbox event router reads by default,
+# so change data capture can publish this table with no per-column configuration.
+outbox = sa.Table(
+    "payorch_outbox",
+    metadata,
+    sa.Column("tenant_id", sa.String(64), nullable=False),
+    sa.Column("id", sa.String(36), nullable=False),  # the message id: UUIDv7, stable
+    sa.Column("aggregatetype", sa.String(128), nullable=False),
+    sa.Column("aggregateid", sa.String(255), nullable=False),
+    sa.Column("type", sa.String(128), nullable=False),
+    sa.Column("payload", StoredJSON(), nullable=False),
+    sa.Column("destination", sa.String(64), nullable=False),  # the sink a relay sends it to
+    sa.Column("operation_id", sa.String(36)),  # the operation whose outcome staged it
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("next_attempt_at", UTCDateTime(), nullable=False),
+    sa.Column("lease_owner", sa.String(200)),
+    sa.Column("lease_expires_at", UTCDateTime()),
+    sa.Column("last_error", sa.Text),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
+    sa.Column("delivered_at", UTCDateTime()),
+    sa.PrimaryKeyConstraint("tenant_id", "id", name="pk_payorch_outbox"),
+    # The relay's scan reads only pending rows: its cost follows the backlog.
+    sa.Index(
+        "ix_payorch_outbox_pending",
+        "tenant_id",
+        "next_attempt_at",
+        postgresql_where=sa.text("state = 'pending'"),
+        sqlite_where=sa.text("state = 'pending'"),
+    ),
+    # Order per aggregate: is an earlier message of this aggregate still pending?
+    sa.Index(
+        "ix_payorch_outbox_aggregate",
+        "tenant_id",
+        "aggregatetype",
+        "aggregateid",
+        "destination",
+        "created_at",
+    ),
+    sa.Index("ix_payorch_outbox_state", "tenant_id", "state", "created_at"),
+    # The dead letters, counted at every scrape: only those rows.
+    sa.Index(
+        "ix_payorch_outbox_dead",
+        "tenant_id",
+        "created_at",
+        postgresql_where=sa.text("state = 'dead'"),
+        sqlite_where=sa.text("state = 'dead'"),
+    ),
+    # Operator look-up by message id alone (``outbox retry <id>``), as for operations.
+    sa.Index("ix_payorch_outbox_id", "id"),
+)
+
+
+def is_pending() -> sa.ColumnElement[bool]:
+    """``state = 'pending'`` as ``ix_payorch_outbox_pending`` states it (a literal)."""
+    return outbox.c.state == sa.literal_column("'pending'")
+
+
+def is_dead() -> sa.ColumnElement[bool]:
+    """``state = 'dead'`` as ``ix_payorch_outbox_dead`` states it (a literal)."""
+    return outbox.c.state == sa.literal_column("'dead'")
+
+
+# Effects done once (payorch.once): a consumer's message or an idempotent function's call,
+# claimed in its namespace (tenant, namespace, key) like an operation.
+effects = sa.Table(
+    "payorch_effects",
+    metadata,
+    sa.Column("tenant_id", sa.String(64), nullable=False),
+    sa.Column("namespace", sa.String(128), nullable=False),
+    sa.Column("key", sa.String(255), nullable=False),
+    sa.Column("id", sa.String(36), nullable=False),
+    sa.Column("fingerprint", sa.String(64), nullable=False),
+    sa.Column("state", sa.String(20), nullable=False),
+    sa.Column("possibly_sent", sa.Boolean, nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("result", StoredJSON()),
+    sa.Column("error", StoredJSON()),
+    sa.Column("needs_attention", sa.Boolean, nullable=False),
+    sa.Column("lease_owner", sa.String(200)),
+    sa.Column("lease_expires_at", UTCDateTime()),
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
+    sa.Column("completed_at", UTCDateTime()),
+    sa.Column("retain_until", UTCDateTime()),
+    sa.PrimaryKeyConstraint("tenant_id", "namespace", "key", name="pk_payorch_effects"),
+    sa.Index("ix_payorch_effects_id", "id"),
+    sa.Index(
+        "ix_payorch_effects_attention",
+        "tenant_id",
+        "created_at",
+        postgresql_where=sa.text("needs_attention"),
+        sqlite_where=sa.text("needs_attention = 1"),
+    ),
+    sa.Index("ix_payorch_effects_retention", "tenant_id", "retain_until"),
 )

@@ -1,0 +1,242 @@
+"""The outbox's writing side: what a message is, the hooks that stage messages when an
+operation settles, and the rows they become (in the caller's transaction).
+
+Public through :mod:`payorch.outbox` (``Message``, ``OutboxHooks``, ``stage``); the store
+calls :meth:`OutboxHooks.rows` inside the transaction of every terminal transition, so a
+settled operation and the messages it stages commit together or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import pkgutil
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy.engine import Connection
+
+from ..core import MAX_JSON_INT, State, safe_text
+from ..errors import ConfigurationError, InvalidMessage
+from ..records import OperationRecord
+from ._statements import new_id
+from ._tables import db_now, outbox
+
+__all__ = [
+    "DEFAULT_DESTINATION",
+    "HOOK_FAILED",
+    "Hook",
+    "Message",
+    "OutboxHooks",
+    "checked_payload",
+    "insert_rows",
+    "load_hooks",
+    "message_row",
+    "resolve_path",
+    "staging",
+]
+
+_log = logging.getLogger("payorch.outbox")
+
+DEFAULT_DESTINATION = "default"
+# The type of the dead row a failing hook leaves in place of its messages (see rows()).
+HOOK_FAILED = "payorch.hook_failed"
+_LIMITS = {"type": 128, "aggregate_type": 128, "aggregate_id": 255, "destination": 64}
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One message to deliver at least once, in order with the others of its aggregate.
+
+    ``type`` names what happened (``receipt.requested``); ``aggregate_type`` and
+    ``aggregate_id`` name what it is about (``payment``, the operation id): messages of one
+    aggregate are delivered in the order they were staged. ``payload`` is a JSON object.
+    ``destination`` names the sink a relay sends it to. ``id`` is the stable message id
+    (a UUIDv7 when not given): a receiver dedupes on it.
+    """
+
+    type: str
+    aggregate_type: str
+    aggregate_id: str
+    payload: Mapping[str, Any]
+    destination: str = DEFAULT_DESTINATION
+    id: str | None = None
+
+
+Hook = Callable[[OperationRecord], Iterable[Message]]
+
+
+@dataclass
+class OutboxHooks:
+    """What each operation type stages when it settles: ``hooks.on("payment.create",
+    "succeeded")(fn)``, where ``fn(operation)`` returns the messages (it runs inside the
+    transaction of the terminal write: keep it pure, no I/O)."""
+
+    _hooks: dict[tuple[str, State], list[Hook]] = field(default_factory=dict)
+
+    def on(self, operation: str, state: State | str) -> Callable[[Hook], Hook]:
+        target = State(state)
+        if not target.terminal:
+            raise ConfigurationError(
+                f"outbox hooks run when an operation settles: {target.value} is not terminal"
+            )
+
+        def register(fn: Hook) -> Hook:
+            self._hooks.setdefault((operation, target), []).append(fn)
+            return fn
+
+        return register
+
+    def wants(self, operation: str, state: State) -> bool:
+        return (operation, state) in self._hooks
+
+    def __bool__(self) -> bool:
+        return bool(self._hooks)
+
+    def rows(self, record: OperationRecord) -> list[dict[str, Any]]:
+        """The rows ``record``'s hooks stage. A hook that raises (or returns a message that
+        cannot be stored) must not keep the outcome from being recorded: its messages are
+        replaced by one dead-lettered ``payorch.hook_failed`` row naming the error, visible
+        to ``payorch outbox dead``, and an ERROR is logged."""
+        rows: list[dict[str, Any]] = []
+        for hook in self._hooks.get((record.operation, record.state), ()):
+            try:
+                made = [message_row(record.tenant_id, m, record.id) for m in hook(record)]
+            except Exception as exc:  # noqa: BLE001 - any hook bug: the outcome still records
+                name = getattr(hook, "__qualname__", repr(hook))
+                error = f"hook {name} failed: {type(exc).__name__}: {safe_text(exc)}"
+                _log.error(
+                    "outbox hook failed for operation %s: %s",
+                    record.id,
+                    error,
+                    extra={"operation_id": record.id, "tenant_id": record.tenant_id},
+                )
+                failed = Message(
+                    type=HOOK_FAILED,
+                    aggregate_type="operation",
+                    aggregate_id=record.id,
+                    payload={
+                        "operation": record.operation,
+                        "state": record.state.value,
+                        "hook": name,
+                        "error": error[:2000],
+                    },
+                )
+                dead = message_row(record.tenant_id, failed, record.id)
+                dead.update(state="dead", last_error=error[:2000])
+                made = [dead]
+            rows.extend(made)
+        return rows
+
+
+def staging(hooks: OutboxHooks | None, operation: str, to_state: State) -> OutboxHooks | None:
+    """``hooks`` if settling ``operation`` in ``to_state`` stages anything, else None (the
+    store then keeps its one-statement write)."""
+    if hooks is not None and to_state.terminal and hooks.wants(operation, to_state):
+        return hooks
+    return None
+
+
+def message_row(tenant_id: str, message: Message, operation_id: str | None) -> dict[str, Any]:
+    """The outbox row of ``message`` (pending, due now); ``InvalidMessage`` if it cannot be
+    stored as it is. Nothing is written here."""
+    if not isinstance(message, Message):
+        raise InvalidMessage(f"an outbox message must be a Message, not {type(message).__name__}")
+    for name, limit in _LIMITS.items():
+        value = getattr(message, name)
+        if not isinstance(value, str) or not value.strip():
+            raise InvalidMessage(f"the message's {name} must be a non-empty string")
+        if len(value) > limit:
+            raise InvalidMessage(f"the message's {name} is longer than {limit} characters")
+        _utf8(value, name)
+    message_id = message.id if message.id is not None else new_id()
+    if not isinstance(message_id, str) or not message_id or len(message_id) > 36:
+        raise InvalidMessage("a message id must be a non-empty string of at most 36 characters")
+    return {
+        "tenant_id": tenant_id,
+        "id": message_id,
+        "aggregatetype": message.aggregate_type,
+        "aggregateid": message.aggregate_id,
+        "type": message.type,
+        "payload": checked_payload(message.payload),
+        "destination": message.destination,
+        "operation_id": operation_id,
+        "state": "pending",
+        "attempts": 0,
+        "last_error": None,
+    }
+
+
+def insert_rows(conn: Connection, rows: list[dict[str, Any]]) -> None:
+    """Insert outbox rows in the caller's transaction, stamped by the database clock."""
+    if rows:
+        now = db_now()
+        conn.execute(
+            outbox.insert().values(next_attempt_at=now, created_at=now, updated_at=now), rows
+        )
+
+
+def checked_payload(payload: Any) -> dict[str, Any]:
+    """``payload`` as it will be stored and delivered (tuples become lists), or
+    ``InvalidMessage`` naming the first part with no JSON form."""
+    if not isinstance(payload, Mapping):
+        kind = type(payload).__name__
+        raise InvalidMessage(f"a message payload must be a JSON object, not {kind}")
+    _walk(payload, "payload")
+    stored: dict[str, Any] = json.loads(json.dumps(payload, ensure_ascii=False))
+    return stored
+
+
+def _walk(value: Any, path: str) -> None:  # noqa: PLR0912 - one branch per JSON kind
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, str):
+        _utf8(value, path)
+        if "\x00" in value:  # PostgreSQL's text cannot hold a NUL
+            raise InvalidMessage(f"{path} holds a NUL character")
+    elif isinstance(value, int):
+        if abs(value) > MAX_JSON_INT:
+            raise InvalidMessage(f"{path} is an integer beyond ±(2**53 - 1)")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidMessage(f"{path} is {value}, which JSON cannot carry")
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise InvalidMessage(f"{path} has a key that is not a string: {k!r}")
+            _utf8(k, f"{path} key")
+            _walk(v, f"{path}.{safe_text(k)}")
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _walk(v, f"{path}[{i}]")
+    else:
+        raise InvalidMessage(f"{path} is a {type(value).__name__}, which has no JSON form")
+
+
+def _utf8(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidMessage(f"{path} holds a lone surrogate (not valid UTF-8)") from None
+
+
+def resolve_path(path: str, setting: str) -> Any:
+    """The object at ``module:attribute`` (an application's, named by ``setting``);
+    ``ConfigurationError`` in one line if it is not such a path or cannot be loaded."""
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ConfigurationError(f"{setting}: {path!r} is not module:attribute")
+    try:
+        return pkgutil.resolve_name(path)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigurationError(f"{setting}: cannot load {path!r}: {exc}") from None
+
+
+def load_hooks(path: str) -> OutboxHooks:
+    """The ``OutboxHooks`` at ``module:attribute`` (``PAYORCH_OUTBOX_HOOKS``)."""
+    found = resolve_path(path, "PAYORCH_OUTBOX_HOOKS")
+    if not isinstance(found, OutboxHooks):
+        raise ConfigurationError(f"PAYORCH_OUTBOX_HOOKS: {path!r} is not an OutboxHooks")
+    return found

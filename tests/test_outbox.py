@@ -43,7 +43,7 @@ from payorch.outbox import (
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.records import OperationRecord
 from payorch.storage._store import Store
-from payorch.storage._tables import db_now_plus, events, outbox
+from payorch.storage._tables import db_now_plus, events, operations, outbox
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 NOW = RelayPolicy(backoff_base=1.0, concurrency=1)  # with rand=0: due again at once
@@ -119,7 +119,9 @@ def pay(executor: Executor, key: str, **extra: Any) -> Any:
 
 def rows(store: Store) -> list[dict[str, Any]]:
     with store.engine.connect() as conn:
-        found = conn.execute(sa.select(outbox).order_by(outbox.c.created_at, outbox.c.id))
+        found = conn.execute(
+            sa.select(outbox).order_by(outbox.c.created_at, outbox.c.position, outbox.c.id)
+        )
         return [dict(r) for r in found.mappings()]
 
 
@@ -145,6 +147,32 @@ def test_a_success_stages_its_messages_with_the_outcome_and_a_replay_stages_none
     assert [m.type for m in ledger.got] == ["ledger.post"]
     assert email.got[0].attempt == 1 and email.got[0].id == staged[0]["id"]
     assert len(sandbox.ledger()) == 1
+
+
+def test_an_outcome_recorded_again_after_a_lost_commit_stages_the_same_message_ids(
+    hooked_executor: Executor, hooked: Store, sandbox: SandboxServer
+) -> None:
+    first = pay(hooked_executor, "order-lost")
+    ids = [r["id"] for r in rows(hooked)]
+    # A failover loses the operation and its messages (after the relay delivered them):
+    # the client's retry claims anew and the provider replays the same effect.
+    with hooked.engine.begin() as conn:
+        for table in (outbox, events, operations):
+            conn.execute(sa.delete(table))
+    again = pay(hooked_executor, "order-lost")
+    assert again.operation_id != first.operation_id
+    assert again.provider_reference == first.provider_reference
+    assert [r["id"] for r in rows(hooked)] == ids  # the receivers' dedupe still holds
+    assert len(sandbox.ledger()) == 1
+
+
+def test_staging_an_id_the_outbox_holds_stages_nothing(store: Store) -> None:
+    first = Message("order.placed", "order", "o-1", {"n": 1}, id="same-id")
+    with store.engine.begin() as conn:
+        stage(conn, first)
+    with store.engine.begin() as conn:
+        stage(conn, Message("order.placed", "order", "o-1", {"n": 2}, id="same-id"))
+    assert [(r["id"], r["payload"]) for r in rows(store)] == [("same-id", {"n": 1})]
 
 
 def test_a_decline_stages_the_decline_hook_only(hooked_executor: Executor, hooked: Store) -> None:

@@ -33,6 +33,7 @@ def upgrade() -> None:
         sa.Column("type", sa.String(128), nullable=False),
         sa.Column("payload", sa.JSON, nullable=False),
         sa.Column("destination", sa.String(64), nullable=False),
+        sa.Column("position", sa.Integer, nullable=False),
         sa.Column("operation_id", sa.String(36)),
         sa.Column("state", sa.String(16), nullable=False),
         sa.Column("attempts", sa.Integer, nullable=False),

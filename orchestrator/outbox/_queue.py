@@ -110,10 +110,8 @@ def _earlier_pending() -> sa.ColumnElement[bool]:
         e.c.aggregateid == _o.aggregateid,
         e.c.destination == _o.destination,
         e.c.state == sa.literal_column("'pending'"),
-        sa.or_(
-            e.c.created_at < _o.created_at,
-            sa.and_(e.c.created_at == _o.created_at, e.c.id < _o.id),
-        ),
+        sa.tuple_(e.c.created_at, e.c.position, e.c.id)
+        < sa.tuple_(_o.created_at, _o.position, _o.id),
     )
 
 
@@ -244,7 +242,7 @@ def listing(
         query = query.where(_o.state == state)
     if tenant_id is not None:
         query = query.where(_o.tenant_id == tenant_id)
-    query = query.order_by(_o.created_at.desc(), _o.id.desc()).limit(limit)
+    query = query.order_by(_o.created_at.desc(), _o.position.desc(), _o.id.desc()).limit(limit)
     rows = run_in_transaction(
         engine, lambda conn: conn.execute(query).mappings().all(), write=False
     )

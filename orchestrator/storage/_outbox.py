@@ -12,17 +12,19 @@ import json
 import logging
 import math
 import pkgutil
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from ..core import MAX_JSON_INT, State, safe_text
 from ..errors import ConfigurationError, InvalidMessage
 from ..records import OperationRecord
 from ._statements import new_id
-from ._tables import db_now, outbox
+from ._tables import db_txn_now, outbox
 
 __all__ = [
     "DEFAULT_DESTINATION",
@@ -35,6 +37,7 @@ __all__ = [
     "load_hooks",
     "message_row",
     "resolve_path",
+    "stable_id",
     "staging",
 ]
 
@@ -43,6 +46,7 @@ _log = logging.getLogger("payorch.outbox")
 DEFAULT_DESTINATION = "default"
 # The type of the dead row a failing hook leaves in place of its messages (see rows()).
 HOOK_FAILED = "payorch.hook_failed"
+_ID_NAMESPACE = uuid.UUID("6f1c1d3e-4b8e-5a57-9a3e-7d2b0c5e9f41")  # payorch's hook messages
 _LIMITS = {"type": 128, "aggregate_type": 128, "aggregate_id": 255, "destination": 64}
 
 
@@ -102,10 +106,13 @@ class OutboxHooks:
         to ``payorch outbox dead``, and an ERROR is logged."""
         rows: list[dict[str, Any]] = []
         for hook in self._hooks.get((record.operation, record.state), ()):
+            name = getattr(hook, "__qualname__", repr(hook))
             try:
-                made = [message_row(record.tenant_id, m, record.id) for m in hook(record)]
+                made = [
+                    message_row(record.tenant_id, m, record.id, stable=(record, name, i))
+                    for i, m in enumerate(hook(record))
+                ]
             except Exception as exc:  # noqa: BLE001 - any hook bug: the outcome still records
-                name = getattr(hook, "__qualname__", repr(hook))
                 error = f"hook {name} failed: {type(exc).__name__}: {safe_text(exc)}"
                 _log.error(
                     "outbox hook failed for operation %s: %s",
@@ -139,9 +146,25 @@ def staging(hooks: OutboxHooks | None, operation: str, to_state: State) -> Outbo
     return None
 
 
-def message_row(tenant_id: str, message: Message, operation_id: str | None) -> dict[str, Any]:
+def stable_id(record: OperationRecord, hook: str, index: int) -> str:
+    """The id of a hook's ``index``-th message for ``record``'s outcome: a UUID (v5) of the
+    namespace-derived downstream key, the state and the hook. The same outcome recorded
+    again (a failover lost the first record; the client's retry settled it anew) stages the
+    same ids, so the receivers' dedupe still holds."""
+    name = "\x1f".join((record.downstream_key, record.state.value, hook, str(index)))
+    return str(uuid.uuid5(_ID_NAMESPACE, name))
+
+
+def message_row(
+    tenant_id: str,
+    message: Message,
+    operation_id: str | None,
+    *,
+    stable: tuple[OperationRecord, str, int] | None = None,
+) -> dict[str, Any]:
     """The outbox row of ``message`` (pending, due now); ``InvalidMessage`` if it cannot be
-    stored as it is. Nothing is written here."""
+    stored as it is. Nothing is written here. A message with no id gets a UUIDv7, or, from a
+    hook (``stable``: the record, the hook's name, the index), :func:`stable_id`."""
     if not isinstance(message, Message):
         raise InvalidMessage(f"an outbox message must be a Message, not {type(message).__name__}")
     for name, limit in _LIMITS.items():
@@ -151,7 +174,9 @@ def message_row(tenant_id: str, message: Message, operation_id: str | None) -> d
         if len(value) > limit:
             raise InvalidMessage(f"the message's {name} is longer than {limit} characters")
         _utf8(value, name)
-    message_id = message.id if message.id is not None else new_id()
+    message_id = message.id
+    if message_id is None:
+        message_id = stable_id(*stable) if stable is not None else new_id()
     if not isinstance(message_id, str) or not message_id or len(message_id) > 36:
         raise InvalidMessage("a message id must be a non-empty string of at most 36 characters")
     return {
@@ -170,12 +195,21 @@ def message_row(tenant_id: str, message: Message, operation_id: str | None) -> d
 
 
 def insert_rows(conn: Connection, rows: list[dict[str, Any]]) -> None:
-    """Insert outbox rows in the caller's transaction, stamped by the database clock."""
-    if rows:
-        now = db_now()
-        conn.execute(
-            outbox.insert().values(next_attempt_at=now, created_at=now, updated_at=now), rows
-        )
+    """Insert outbox rows in the caller's transaction, stamped by the database clock and
+    numbered in the order given (``position``: the order of one aggregate's messages staged
+    together). An id already in the outbox stages nothing: that message exists."""
+    if not rows:
+        return
+    for position, row in enumerate(rows):
+        row["position"] = position
+    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    now = db_txn_now()
+    stmt = (
+        insert(outbox)
+        .values(next_attempt_at=now, created_at=now, updated_at=now)
+        .on_conflict_do_nothing(index_elements=["tenant_id", "id"])
+    )
+    conn.execute(stmt, rows)
 
 
 def checked_payload(payload: Any) -> dict[str, Any]:

@@ -32,6 +32,7 @@ __all__ = [
     "UTCDateTime",
     "db_now",
     "db_now_plus",
+    "db_txn_now",
     "effects",
     "events",
     "is_active",
@@ -110,6 +111,24 @@ class db_now_plus(sa.sql.expression.FunctionElement[datetime]):
 
     type = UTCDateTime()
     inherit_cache = True
+
+
+class db_txn_now(sa.sql.expression.FunctionElement[datetime]):
+    """The database's clock at the start of the transaction on PostgreSQL (``now()``: one
+    value for every row a transaction writes), ``db_now`` on SQLite (one writer at a time)."""
+
+    type = UTCDateTime()
+    inherit_cache = True
+
+
+@compiles(db_txn_now, "postgresql")
+def _pg_txn_now(element: db_txn_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return "now()"
+
+
+@compiles(db_txn_now)
+def _sqlite_txn_now(element: db_txn_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return "(strftime('%Y-%m-%d %H:%M:%f', 'now') || '000')"
 
 
 @compiles(db_now, "postgresql")
@@ -279,6 +298,7 @@ outbox = sa.Table(
     sa.Column("type", sa.String(128), nullable=False),
     sa.Column("payload", StoredJSON(), nullable=False),
     sa.Column("destination", sa.String(64), nullable=False),  # the sink a relay sends it to
+    sa.Column("position", sa.Integer, nullable=False),  # its place among those staged with it
     sa.Column("operation_id", sa.String(36)),  # the operation whose outcome staged it
     sa.Column("state", sa.String(16), nullable=False),
     sa.Column("attempts", sa.Integer, nullable=False),

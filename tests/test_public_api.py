@@ -105,6 +105,9 @@ def test_every_error_derives_from_the_base_and_has_a_status() -> None:
     for name in errors.__all__:
         cls = getattr(errors, name)
         assert issubclass(cls, errors.PayorchError)
+        if cls is errors.EffectOutcomeUnknown:  # like an unknown payment: 202, ask again later
+            assert cls.http_status == 202
+            continue
         assert 400 <= cls.http_status <= 599
 
 
@@ -172,15 +175,20 @@ PUBLIC: dict[str, list[str]] = {
         "CorruptRecord",
         "DatabaseReadOnly",
         "DatabaseUnavailable",
+        "DeliveryFailed",
+        "EffectFailed",
+        "EffectOutcomeUnknown",
         "IdempotencyError",
         "IdempotencyKeyExpired",
         "IdempotencyKeyReused",
         "InvalidIdempotencyKey",
+        "InvalidMessage",
         "InvalidMoney",
         "InvalidRequest",
         "InvalidTenant",
         "InvalidTransition",
         "ListingUnsupported",
+        "MessageNotFound",
         "OperationInProgress",
         "OperationNotFound",
         "OutcomeNotRecorded",
@@ -392,6 +400,8 @@ PUBLIC: dict[str, list[str]] = {
         "RelayReport",
         "Sink",
         "StoredMessage",
+        "WebhookEndpoint",
+        "WebhookSink",
         "astage",
         "find",
         "load_hooks",
@@ -400,6 +410,16 @@ PUBLIC: dict[str, list[str]] = {
         "retry",
         "stage",
         "stats",
+        "verify_webhook",
+    ],
+    "payorch.outbox.redis": [
+        "DEFAULT_STREAM",
+        "FIELDS",
+        "RedisStreamReader",
+        "RedisStreamSink",
+        "StreamEntry",
+        "dedupe_key",
+        "entry_fields",
     ],
     "payorch.providers.stripe": [
         "DEFAULT_TIMEOUT",

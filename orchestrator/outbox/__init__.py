@@ -21,6 +21,7 @@ from ._queue import StoredMessage
 from ._relay import Relay, RelayPolicy, RelayReport
 from ._sinks import OutboxMessage, Sink
 from ._staging import astage, load_sinks, stage
+from ._webhooks import WebhookEndpoint, WebhookSink, verify_webhook
 
 __all__ = [
     "HOOK_FAILED",
@@ -32,6 +33,8 @@ __all__ = [
     "RelayReport",
     "Sink",
     "StoredMessage",
+    "WebhookEndpoint",
+    "WebhookSink",
     "astage",
     "find",
     "load_hooks",
@@ -40,6 +43,7 @@ __all__ = [
     "retry",
     "stage",
     "stats",
+    "verify_webhook",
 ]
 
 

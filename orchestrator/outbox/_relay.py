@@ -43,7 +43,7 @@ class RelayPolicy:
     duplicate). Backoff: full jitter in ``[retry_after, min(cap, base * 2**attempt)]``."""
 
     batch_size: int = 50
-    lease: timedelta = timedelta(seconds=120)
+    lease: timedelta = timedelta(seconds=300)
     max_attempts: int = 12
     backoff_base: float = 2.0
     backoff_cap: float = 3600.0
@@ -137,12 +137,20 @@ class Relay:
         report.leased = len(leased)
         if not leased:
             return report
+        # Each message is marked as soon as its sink returned: a relay killed mid-batch
+        # delivers again only what it had not marked.
         if self._pool is None or len(leased) == 1:
-            outcomes = [self._deliver(m) for m in leased]
+            done = [self._one(m) for m in leased]
         else:
-            outcomes = list(self._pool.map(self._deliver, leased))
-        for message, error in zip(leased, outcomes, strict=True):
-            self._mark(message, error, report)
+            done = list(self._pool.map(self._one, leased))
+        for one in done:
+            report.add(one)
+        report.leased = len(leased)
+        return report
+
+    def _one(self, message: OutboxMessage) -> RelayReport:
+        report = RelayReport()
+        self._mark(message, self._deliver(message), report)
         return report
 
     def drain(self, stop: threading.Event | None = None) -> RelayReport:

@@ -19,6 +19,7 @@ from ..errors import PayorchError
 from ._effects import effects_app
 from ._health import health_cmd
 from ._keys import keys_app
+from ._once import once_app
 from ._ops import ops_app
 from ._outbox import outbox_app
 from ._reconcile import reconcile_app
@@ -143,6 +144,7 @@ def _logging(
 
 app.add_typer(db_app, name="db")
 app.add_typer(ops_app, name="ops")
+app.add_typer(once_app, name="once")
 app.add_typer(outbox_app, name="outbox")
 app.add_typer(effects_app, name="effects")
 app.add_typer(keys_app, name="keys")

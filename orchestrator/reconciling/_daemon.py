@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Drains", "MonitorServer", "ReconcilerDaemon", "parse_address"]
 
+
 class Drains(Protocol):
     """What the daemon's outbox job runs (a :class:`payorch.outbox.Relay`)."""
 

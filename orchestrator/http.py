@@ -41,6 +41,8 @@ import http_sf
 from .core import MAX_KEY_LENGTH, State, validate_idempotency_key
 from .errors import (
     ConfigurationError,
+    EffectFailed,
+    EffectOutcomeUnknown,
     InvalidIdempotencyKey,
     OperationInProgress,
     OutcomeNotRecorded,
@@ -276,9 +278,13 @@ def _error_answer(err: PayorchError, *, status: int | None = None) -> HttpAnswer
         ext["operation_id"] = err.operation_id
     if isinstance(err, RequestValidationFailed):
         ext["errors"] = err.errors
-    if isinstance(err, OperationInProgress):
+    if isinstance(err, OperationInProgress | EffectOutcomeUnknown):
+        # In progress, or an effect that may have happened (202, escalated): the same key,
+        # later.
         headers["Retry-After"] = _seconds(err.retry_after)
         ext["retry"] = SAME_KEY
+    elif isinstance(err, EffectFailed):
+        ext["error_type"] = err.error_type
     elif isinstance(err, StorageError):
         # Never the database's own text (hosts, SQL) to a client; it stays on the exception.
         not_recorded = isinstance(err, OutcomeNotRecorded)

@@ -1,7 +1,7 @@
 """The README's embedding example runs as written (examples/embed.py), twice: the second run
 (the same key, the same database) replays the first outcome and stores no second operation.
-The FastAPI and Django examples are served and driven by tests/test_fastapi.py and
-tests/test_django.py."""
+The outbox example (examples/after_the_payment.py) runs too. The FastAPI and Django
+examples are served and driven by tests/test_fastapi.py and tests/test_django.py."""
 
 from __future__ import annotations
 
@@ -42,3 +42,22 @@ def test_the_embedding_example_pays_once_and_replays(tmp_path: Path) -> None:
     assert (state, attempts, replays) == ("succeeded", 1, 1)
     assert [kind for (kind,) in kinds] == ["claimed", "provider_answer"]
     assert operation_id in first and operation_id in second
+
+
+AFTER = EXAMPLE.parent / "after_the_payment.py"
+
+
+def test_after_the_payment_one_receipt_and_one_ledger_entry_whatever_failed(
+    tmp_path: Path,
+) -> None:
+    # docs/outbox.md's worked example: a client retry, a relay failing after the hand-over
+    # and a lost mailer answer on the way; still one of each.
+    done = subprocess.run(
+        [sys.executable, str(AFTER)], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "payment succeeded; effects at the acquirer: 1",
+        "receipts sent: 1 (mailer called 2 times)",
+        "ledger entries: 1",
+    ]

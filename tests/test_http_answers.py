@@ -11,6 +11,7 @@ import pytest
 import respx
 import sqlalchemy as sa
 from conftest import RecordingSleep
+from test_http_contract import every_error
 
 from payorch import errors
 from payorch.core import State
@@ -18,7 +19,6 @@ from payorch.errors import (
     ConfigurationError,
     IdempotencyKeyReused,
     OutcomeNotRecorded,
-    PayorchError,
     ProviderUnavailable,
     RequestValidationFailed,
     StorageError,
@@ -119,13 +119,8 @@ def test_every_503_says_when_and_with_the_same_key(err: StorageError) -> None:
 
 
 def test_every_error_class_answers_with_its_type_and_every_503_with_retry_after() -> None:
-    special: dict[str, dict[str, object]] = {
-        "OperationInProgress": {"operation_id": "op", "retry_after": 2.0},
-        "CorruptRecord": {"tenant_id": "t", "operation_id": "op", "problem": "json"},
-    }
-    for name in errors.__all__:
-        cls: type[PayorchError] = getattr(errors, name)
-        err = cls("x", **special.get(name, {}))  # type: ignore[arg-type]
+    for err in every_error():
+        cls = type(err)
         answer = http_answer(err)
         assert answer.body["type"] == cls.problem_type
         assert answer.content_type == "application/problem+json"

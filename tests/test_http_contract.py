@@ -222,6 +222,8 @@ def test_a_json_object_is_the_request() -> None:
 SPECIAL: dict[str, dict[str, Any]] = {
     "OperationInProgress": {"operation_id": "op", "retry_after": 2.2},
     "CorruptRecord": {"tenant_id": "t", "operation_id": "op", "problem": "json"},
+    "EffectFailed": {"effect_id": "eff", "error_type": "Refused", "error_message": "no"},
+    "EffectOutcomeUnknown": {"effect_id": "eff"},
 }
 
 
@@ -247,7 +249,7 @@ def test_every_error_is_an_rfc9457_problem(err: PayorchError) -> None:
     answer = http_answer(err)
     assert_problem(answer, err)
     assert answer.status == err.http_status
-    if answer.status in (409, 503):
+    if answer.status in (202, 409, 503):  # 202: an effect escalated, ask again later
         assert int(answer.headers["Retry-After"]) >= 1
     if answer.status >= 500:
         # Internals (hosts, SQL, configuration) stay on the exception; the same key is safe.

@@ -12,7 +12,17 @@ from rich.table import Table
 from rich.text import Text
 
 from . import _render as render
-from ._runtime import DatabaseUrl, JsonFlag, default_actor, err, open_store, out, relay, settings
+from ._runtime import (
+    DatabaseUrl,
+    JsonFlag,
+    default_actor,
+    duration_option,
+    err,
+    open_store,
+    out,
+    relay,
+    settings,
+)
 
 if TYPE_CHECKING:
     from ..outbox import RelayReport, StoredMessage
@@ -156,10 +166,31 @@ def retry_cmd(
     out().print(Text(f"message {after.id} is pending again (due now)"))
 
 
+@outbox_app.command("purge")
+def purge_cmd(
+    *,
+    older_than: Annotated[
+        timedelta,
+        duration_option("Delete messages delivered at least this long ago: 7d, 12h."),
+    ],
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Count what would be deleted; delete nothing.")
+    ] = False,
+    database_url: DatabaseUrl = None,
+) -> None:
+    """Delete delivered messages past an age (pending and dead ones are always kept)."""
+    from ..outbox import purge
+
+    with open_store(database_url) as store:
+        count = purge(store, older_than=older_than, dry_run=dry_run)
+    verb = "would delete" if dry_run else "deleted"
+    out().print(f"{verb} {count} delivered messages")
+
+
 def _summary(report: RelayReport) -> str:
     return (
         f"leased {report.leased}: delivered {report.delivered}, failed {report.failed}, "
-        f"dead {report.dead}, lost {report.lost}"
+        f"dead {report.dead}, lost {report.lost}, released {report.released}"
     )
 
 
@@ -203,12 +234,19 @@ def relay_cmd(
             else:
                 out().print(Text(_summary(report)))
             return
+        from ..errors import StorageError
+
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         err().print(Text(f"relaying every {timedelta(seconds=seconds).total_seconds():g}s"))
+        log = logging.getLogger("payorch.outbox")
         while not stop.is_set():
-            report = relaying.drain(stop=stop)
-            if report.leased:
-                logging.getLogger("payorch.outbox").info(_summary(report))
+            try:
+                report = relaying.drain(stop=stop)
+            except StorageError as exc:  # the database is away: one line, the next pass retries
+                log.warning("outbox pass skipped: %s", " ".join(exc.message.split()))
+            else:
+                if report.leased or report.dead:
+                    log.info(_summary(report))
             stop.wait(seconds)

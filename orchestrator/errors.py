@@ -63,6 +63,7 @@ and may have reached the provider. No error ever invites a new key.
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 __all__ = [
@@ -454,4 +455,6 @@ class DeliveryFailed(PayorchError):
 
     def __init__(self, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(message)
-        self.retry_after = retry_after
+        # An unreadable or endless delay is no answer: the relay's own backoff decides.
+        finite = retry_after is not None and math.isfinite(retry_after) and retry_after >= 0
+        self.retry_after = retry_after if finite else None

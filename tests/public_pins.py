@@ -301,6 +301,7 @@ PUBLIC: dict[str, list[str]] = {
         "load_hooks",
         "load_sinks",
         "messages",
+        "purge",
         "retry",
         "stage",
         "stats",

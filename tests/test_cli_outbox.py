@@ -101,10 +101,25 @@ def test_relay_without_sinks_or_with_a_bad_path_says_so_in_one_line(db_url: str)
         ({"PAYORCH_OUTBOX_SINKS": "no_such_module_x:sinks"}, "cannot load"),
         ({"PAYORCH_OUTBOX_SINKS": "outbox_apps:hooks"}, "not a mapping"),
         ({"PAYORCH_OUTBOX_HOOKS": "outbox_apps:not_hooks"}, "is not an OutboxHooks"),
+        ({"PAYORCH_OUTBOX_HOOKS": "outbox_broken:hooks"}, "RuntimeError: the application's"),
     ]:
         result = run(db_url, "outbox relay --once", env=env)
         assert result.exit_code == 1, result.output
         assert text in one_error_line(result)
+    # Hooks are loaded by every command that opens the store: a broken module is one line.
+    listed = run(db_url, "ops list", env={"PAYORCH_OUTBOX_HOOKS": "outbox_broken:hooks"})
+    assert listed.exit_code == 1 and "cannot load" in one_error_line(listed)
+
+
+def test_purge_deletes_only_old_delivered_messages(db_url: str, store: Store) -> None:
+    dead, pending = _dead_and_pending(store)
+    done = run(db_url, "outbox purge --older-than 1d --dry-run")
+    assert done.exit_code == 0 and "would delete 0 delivered messages" in done.stdout
+    assert run(db_url, "outbox purge --older-than 0s").exit_code == 1  # not positive
+    assert {m["id"] for m in json.loads(run(db_url, "outbox list --json").stdout)} == {
+        dead,
+        pending,
+    }
 
 
 def test_an_operators_resolution_stages_the_hooks_messages(db_url: str, store: Store) -> None:

@@ -24,6 +24,9 @@ def _ts(name: str, nullable: bool = True) -> sa.Column:
 
 
 def upgrade() -> None:
+    if op.get_bind().dialect.name == "postgresql":
+        # The staging order of outbox messages (SQLite numbers them by rowid).
+        op.execute(sa.schema.CreateSequence(sa.Sequence("payorch_outbox_seq")))
     op.create_table(
         "payorch_outbox",
         sa.Column("tenant_id", sa.String(64), nullable=False),
@@ -33,7 +36,7 @@ def upgrade() -> None:
         sa.Column("type", sa.String(128), nullable=False),
         sa.Column("payload", sa.JSON, nullable=False),
         sa.Column("destination", sa.String(64), nullable=False),
-        sa.Column("position", sa.Integer, nullable=False),
+        sa.Column("seq", sa.BigInteger, nullable=False),
         sa.Column("operation_id", sa.String(36)),
         sa.Column("state", sa.String(16), nullable=False),
         sa.Column("attempts", sa.Integer, nullable=False),
@@ -56,7 +59,7 @@ def upgrade() -> None:
     op.create_index(
         "ix_payorch_outbox_aggregate",
         "payorch_outbox",
-        ["tenant_id", "aggregatetype", "aggregateid", "destination", "created_at"],
+        ["tenant_id", "aggregatetype", "aggregateid", "destination", "seq"],
     )
     op.create_index(
         "ix_payorch_outbox_state", "payorch_outbox", ["tenant_id", "state", "created_at"]
@@ -107,3 +110,5 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_table("payorch_effects")
     op.drop_table("payorch_outbox")
+    if op.get_bind().dialect.name == "postgresql":
+        op.execute(sa.schema.DropSequence(sa.Sequence("payorch_outbox_seq")))

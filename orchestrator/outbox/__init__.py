@@ -13,6 +13,7 @@ See ``docs/outbox.md``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 from ..storage._outbox import HOOK_FAILED, Message, OutboxHooks, load_hooks
@@ -40,6 +41,7 @@ __all__ = [
     "load_hooks",
     "load_sinks",
     "messages",
+    "purge",
     "retry",
     "stage",
     "stats",
@@ -69,6 +71,11 @@ def retry(
     """Make a dead (or backing-off) message due now with a fresh count of attempts, audited
     (an ``outbox_retry`` event with ``actor`` and ``reason``)."""
     return _queue.retry(_engine(store), message_id, actor=actor, reason=reason, tenant_id=tenant_id)
+
+
+def purge(store: Any, *, older_than: timedelta, dry_run: bool = False) -> int:
+    """Delete the messages delivered more than ``older_than`` ago; how many (would be)."""
+    return _queue.purge(_engine(store), older_than=older_than, dry_run=dry_run)
 
 
 def stats(store: Any, *, tenant_id: str | None = None) -> Mapping[str, Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -22,6 +22,7 @@ from sqlalchemy.engine import Connection, Engine
 from ..core import safe_text
 from ..errors import InvalidRequest, MessageNotFound, StateConflict
 from ..storage._engine import run_in_transaction
+from ..storage._outbox import HOOK_FAILED
 from ..storage._statements import new_id
 from ..storage._tables import (
     OUTBOX_STATE_VALUES,
@@ -41,6 +42,8 @@ __all__ = [
     "find",
     "lease_due",
     "listing",
+    "purge",
+    "release",
     "retry",
     "stats",
 ]
@@ -110,8 +113,7 @@ def _earlier_pending() -> sa.ColumnElement[bool]:
         e.c.aggregateid == _o.aggregateid,
         e.c.destination == _o.destination,
         e.c.state == sa.literal_column("'pending'"),
-        sa.tuple_(e.c.created_at, e.c.position, e.c.id)
-        < sa.tuple_(_o.created_at, _o.position, _o.id),
+        e.c.seq < _o.seq,
     )
 
 
@@ -122,10 +124,14 @@ def lease_due(
     lease_s: float,
     limit: int,
     destinations: Collection[str],
+    max_attempts: int,
     tenant_ids: Collection[str] | None = None,
-) -> list[OutboxMessage]:
+) -> tuple[list[OutboxMessage], int]:
     """Lease up to ``limit`` due messages for ``destinations`` to ``owner`` (attempts
-    counted), skipping rows other relays hold (``SKIP LOCKED`` on PostgreSQL)."""
+    counted), skipping rows other relays hold (``SKIP LOCKED`` on PostgreSQL); with how
+    many were dead-lettered instead. A message that has had ``max_attempts`` already and
+    comes back (every relay that read it died or hung before recording a failure) is dead
+    here, in the same statement: the bound holds even when ``failed`` is never reached."""
     due = sa.select(_o.tenant_id, _o.id).where(
         is_pending(),
         _o.next_attempt_at <= db_now(),
@@ -135,25 +141,57 @@ def lease_due(
     )
     if tenant_ids is not None:
         due = due.where(_o.tenant_id.in_(sorted(tenant_ids)))
-    due = due.order_by(_o.next_attempt_at, _o.id).limit(limit).with_for_update(skip_locked=True)
+    due = due.order_by(_o.next_attempt_at, _o.seq).limit(limit).with_for_update(skip_locked=True)
+    spent = _o.attempts >= sa.bindparam("max_attempts")
     stmt = (
         sa.update(outbox)
         .where(sa.tuple_(_o.tenant_id, _o.id).in_(due))
         .values(
-            lease_owner=owner,
-            lease_expires_at=db_now_plus(sa.bindparam("lease_s")),
-            attempts=_o.attempts + 1,
+            state=sa.case((spent, "dead"), else_="pending"),
+            lease_owner=sa.case((spent, None), else_=owner),
+            lease_expires_at=sa.case((spent, None), else_=db_now_plus(sa.bindparam("lease_s"))),
+            attempts=sa.case((spent, _o.attempts), else_=_o.attempts + 1),
+            last_error=sa.case((spent, sa.bindparam("spent_error")), else_=_o.last_error),
             updated_at=db_now(),
         )
         .returning(*outbox.c)
     )
+    params = {
+        "lease_s": lease_s,
+        "max_attempts": max_attempts,
+        "spent_error": f"no relay finished it in {max_attempts} attempts (killed or hung "
+        "while delivering it)",
+    }
 
-    def txn(conn: Connection) -> list[OutboxMessage]:
-        rows = conn.execute(stmt, {"lease_s": lease_s}).mappings().all()
-        return [_message(row) for row in rows]
+    def txn(conn: Connection) -> tuple[list[OutboxMessage], int]:
+        rows = conn.execute(stmt, params).mappings().all()
+        leased = [_message(row) for row in rows if row["state"] == "pending"]
+        return leased, len(rows) - len(leased)
 
-    leased = run_in_transaction(engine, txn)
-    return sorted(leased, key=lambda m: (m.created_at, m.id))
+    leased, dead = run_in_transaction(engine, txn)
+    return sorted(leased, key=lambda m: (m.created_at, m.id)), dead
+
+
+def release(engine: Engine, message: OutboxMessage, *, owner: str) -> bool:
+    """Hand back a leased message that was not sent (a relay stopping): due at once for
+    the next relay, its attempt not counted."""
+    stmt = (
+        sa.update(outbox)
+        .where(
+            _o.tenant_id == message.tenant_id,
+            _o.id == message.id,
+            is_pending(),
+            _o.lease_owner == owner,
+            _o.attempts == message.attempt,
+        )
+        .values(
+            lease_owner=None,
+            lease_expires_at=None,
+            attempts=_o.attempts - 1,
+            updated_at=db_now(),
+        )
+    )
+    return bool(run_in_transaction(engine, lambda conn: conn.execute(stmt).rowcount))
 
 
 def _message(row: Mapping[Any, Any]) -> OutboxMessage:
@@ -210,6 +248,7 @@ def failed(
             _o.id == message.id,
             is_pending(),
             _o.lease_owner == owner,
+            _o.attempts == message.attempt,  # this attempt's lease, not a later one's
         )
         .values(
             state="dead" if dead else "pending",
@@ -242,7 +281,7 @@ def listing(
         query = query.where(_o.state == state)
     if tenant_id is not None:
         query = query.where(_o.tenant_id == tenant_id)
-    query = query.order_by(_o.created_at.desc(), _o.position.desc(), _o.id.desc()).limit(limit)
+    query = query.order_by(_o.created_at.desc(), _o.seq.desc()).limit(limit)
     rows = run_in_transaction(
         engine, lambda conn: conn.execute(query).mappings().all(), write=False
     )
@@ -280,6 +319,11 @@ def retry(
     found = find(engine, message_id, tenant_id=tenant_id)
     if found.state == "delivered":
         raise StateConflict(f"message {found.id} was delivered already")
+    if found.type == HOOK_FAILED:
+        raise StateConflict(
+            f"message {found.id} stands for a hook that failed ({found.last_error}): fix the "
+            "hook and stage its messages by hand; it is never delivered itself"
+        )
     stmt = (
         sa.update(outbox)
         .where(
@@ -350,3 +394,23 @@ def stats(engine: Engine, *, tenant_id: str | None = None) -> dict[str, Any]:
 
 def _aware(value: datetime) -> datetime:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def purge(engine: Engine, *, older_than: timedelta, dry_run: bool = False) -> int:
+    """Delete the messages delivered more than ``older_than`` ago (how many; with
+    ``dry_run``, how many would be). Pending and dead messages are kept: they still need a
+    relay or an operator."""
+    seconds = older_than.total_seconds()
+    if seconds <= 0:
+        raise InvalidRequest("the age of the messages to purge must be positive")
+    old = sa.and_(
+        _o.state == sa.literal_column("'delivered'"),
+        _o.delivered_at < db_now_plus(sa.literal(-seconds)),
+    )
+    if dry_run:
+        query = sa.select(sa.func.count()).select_from(outbox).where(old)
+        return int(
+            run_in_transaction(engine, lambda conn: conn.execute(query).scalar_one(), write=False)
+        )
+    stmt = sa.delete(outbox).where(old)
+    return int(run_in_transaction(engine, lambda conn: conn.execute(stmt).rowcount))

@@ -16,6 +16,7 @@ import random
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -62,17 +63,19 @@ class RelayPolicy:
 @dataclass
 class RelayReport:
     """What one pass did: messages leased, delivered, failed (to be tried again), dead
-    (dead-lettered now), and lost (the lease went to another relay before the mark)."""
+    (dead-lettered now), lost (the lease went to another relay before the mark, or the mark
+    failed) and released (handed back unsent, the relay stopping)."""
 
     leased: int = 0
     delivered: int = 0
     failed: int = 0
     dead: int = 0
     lost: int = 0
+    released: int = 0
     errors: list[str] = field(default_factory=list)
 
     def add(self, other: RelayReport) -> None:
-        for name in ("leased", "delivered", "failed", "dead", "lost"):
+        for name in ("leased", "delivered", "failed", "dead", "lost", "released"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.errors.extend(other.errors)
 
@@ -100,9 +103,12 @@ class Relay:
         self.engine: Engine = getattr(store, "engine", store)
         self.sinks = dict(sinks)
         self.policy = policy or RelayPolicy()
-        self.owner = owner or f"relay:{socket.gethostname()}:{os.getpid()}"
+        # Unique per relay, even two in one process: a failure is recorded only under the
+        # lease (owner and attempt) it was leased with.
+        self.owner = owner or f"relay:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.tenant_ids = frozenset(tenant_ids) if tenant_ids is not None else None
         self._rand = rand
+        self._stop: threading.Event | None = None  # drain()'s: checked before each message
         self._pool = (
             ThreadPoolExecutor(self.policy.concurrency, thread_name_prefix="payorch-relay")
             if self.policy.concurrency > 1
@@ -126,12 +132,13 @@ class Relay:
     def run_once(self) -> RelayReport:
         """Lease one batch and deliver it; the report of what happened."""
         report = RelayReport()
-        leased = queue.lease_due(
+        leased, report.dead = queue.lease_due(
             self.engine,
             owner=self.owner,
             lease_s=self.policy.lease.total_seconds(),
             limit=self.policy.batch_size,
             destinations=self.sinks,
+            max_attempts=self.policy.max_attempts,
             tenant_ids=self.tenant_ids,
         )
         report.leased = len(leased)
@@ -150,6 +157,15 @@ class Relay:
 
     def _one(self, message: OutboxMessage) -> RelayReport:
         report = RelayReport()
+        stop = self._stop
+        if stop is not None and stop.is_set():
+            # Stopping: what was leased and not begun goes back at once, not after the lease.
+            try:
+                if queue.release(self.engine, message, owner=self.owner):
+                    report.released += 1
+            except StorageError:
+                report.lost += 1  # its lease runs out instead
+            return report
         self._mark(message, self._deliver(message), report)
         return report
 
@@ -157,15 +173,19 @@ class Relay:
         """Batches until nothing is due (at most ``max_batches``, and none begun once
         ``stop`` is set): the daemon's pass."""
         total = RelayReport()
-        for _ in range(self.policy.max_batches):
-            if stop is not None and stop.is_set():
-                break
-            report = self.run_once()
-            total.add(report)
-            if report.leased < self.policy.batch_size and not report.delivered:
-                break
-            if report.leased == 0:
-                break
+        self._stop = stop
+        try:
+            for _ in range(self.policy.max_batches):
+                if stop is not None and stop.is_set():
+                    break
+                report = self.run_once()
+                total.add(report)
+                if report.leased == 0 or (
+                    report.leased < self.policy.batch_size and not report.delivered
+                ):
+                    break
+        finally:
+            self._stop = None
         return total
 
     def _deliver(self, message: OutboxMessage) -> tuple[str, float | None] | None:
@@ -204,7 +224,8 @@ class Relay:
                 base=self.policy.backoff_base,
                 cap=self.policy.backoff_cap,
                 rand=self._rand,
-                floor=max(0.0, retry_after or 0.0),
+                # A receiver's Retry-After is untrusted: never past the backoff's cap.
+                floor=min(max(0.0, retry_after or 0.0), self.policy.backoff_cap),
             )
             state = queue.failed(
                 self.engine,

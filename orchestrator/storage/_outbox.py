@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
@@ -24,7 +25,7 @@ from ..core import MAX_JSON_INT, State, safe_text
 from ..errors import ConfigurationError, InvalidMessage
 from ..records import OperationRecord
 from ._statements import new_id
-from ._tables import db_txn_now, outbox
+from ._tables import OUTBOX_SEQUENCE, db_now, outbox
 
 __all__ = [
     "DEFAULT_DESTINATION",
@@ -33,11 +34,13 @@ __all__ = [
     "Message",
     "OutboxHooks",
     "checked_payload",
+    "failed_row",
     "insert_rows",
     "load_hooks",
     "message_row",
     "resolve_path",
     "stable_id",
+    "stage_settled",
     "staging",
 ]
 
@@ -76,11 +79,18 @@ Hook = Callable[[OperationRecord], Iterable[Message]]
 class OutboxHooks:
     """What each operation type stages when it settles: ``hooks.on("payment.create",
     "succeeded")(fn)``, where ``fn(operation)`` returns the messages (it runs inside the
-    transaction of the terminal write: keep it pure, no I/O)."""
+    transaction of the terminal write: keep it pure, no I/O).
 
-    _hooks: dict[tuple[str, State], list[Hook]] = field(default_factory=dict)
+    A hook's name (``name=``, else ``module.qualname``) is part of its messages' ids, so it
+    must be stable from process to process and unique per operation and state: a second
+    hook under one name, or a callable with no qualified name (a ``functools.partial``, a
+    callable object) and no ``name=``, is refused when registered."""
 
-    def on(self, operation: str, state: State | str) -> Callable[[Hook], Hook]:
+    _hooks: dict[tuple[str, State], list[tuple[str, Hook]]] = field(default_factory=dict)
+
+    def on(
+        self, operation: str, state: State | str, *, name: str | None = None
+    ) -> Callable[[Hook], Hook]:
         target = State(state)
         if not target.terminal:
             raise ConfigurationError(
@@ -88,7 +98,14 @@ class OutboxHooks:
             )
 
         def register(fn: Hook) -> Hook:
-            self._hooks.setdefault((operation, target), []).append(fn)
+            hook_name = name or _hook_name(fn)
+            listed = self._hooks.setdefault((operation, target), [])
+            if any(known == hook_name for known, _ in listed):
+                raise ConfigurationError(
+                    f"two outbox hooks named {hook_name!r} for {operation} {target.value}: "
+                    "give one a name= of its own (the name is part of its messages' ids)"
+                )
+            listed.append((hook_name, fn))
             return fn
 
         return register
@@ -102,40 +119,60 @@ class OutboxHooks:
     def rows(self, record: OperationRecord) -> list[dict[str, Any]]:
         """The rows ``record``'s hooks stage. A hook that raises (or returns a message that
         cannot be stored) must not keep the outcome from being recorded: its messages are
-        replaced by one dead-lettered ``payorch.hook_failed`` row naming the error, visible
-        to ``payorch outbox dead``, and an ERROR is logged."""
+        replaced by one dead-lettered :data:`HOOK_FAILED` row naming the error, visible to
+        ``payorch outbox dead``, and an ERROR is logged."""
         rows: list[dict[str, Any]] = []
-        for hook in self._hooks.get((record.operation, record.state), ()):
-            name = getattr(hook, "__qualname__", repr(hook))
+        for name, hook in self._hooks.get((record.operation, record.state), ()):
             try:
                 made = [
                     message_row(record.tenant_id, m, record.id, stable=(record, name, i))
                     for i, m in enumerate(hook(record))
                 ]
             except Exception as exc:  # noqa: BLE001 - any hook bug: the outcome still records
-                error = f"hook {name} failed: {type(exc).__name__}: {safe_text(exc)}"
-                _log.error(
-                    "outbox hook failed for operation %s: %s",
-                    record.id,
-                    error,
-                    extra={"operation_id": record.id, "tenant_id": record.tenant_id},
-                )
-                failed = Message(
-                    type=HOOK_FAILED,
-                    aggregate_type="operation",
-                    aggregate_id=record.id,
-                    payload={
-                        "operation": record.operation,
-                        "state": record.state.value,
-                        "hook": name,
-                        "error": error[:2000],
-                    },
-                )
-                dead = message_row(record.tenant_id, failed, record.id)
-                dead.update(state="dead", last_error=error[:2000])
-                made = [dead]
+                made = [failed_row(record, name, exc)]
             rows.extend(made)
         return rows
+
+
+def _hook_name(fn: Hook) -> str:
+    qualname = getattr(fn, "__qualname__", None)
+    module = getattr(fn, "__module__", None)
+    if not isinstance(qualname, str) or not isinstance(module, str):
+        raise ConfigurationError(
+            f"an outbox hook with no qualified name ({type(fn).__name__}) needs name=: the "
+            "name is part of its messages' ids and must be the same in every process"
+        )
+    return f"{module}.{qualname}"
+
+
+def failed_row(record: OperationRecord, hook: str, exc: BaseException) -> dict[str, Any]:
+    """The dead :data:`HOOK_FAILED` row that stands for a hook's messages, logged at ERROR."""
+    error = _clean(f"hook {hook} failed: {type(exc).__name__}: {safe_text(exc)}")[:2000]
+    _log.error(
+        "outbox hook failed for operation %s: %s",
+        record.id,
+        error,
+        extra={"operation_id": record.id, "tenant_id": record.tenant_id},
+    )
+    failed = Message(
+        type=HOOK_FAILED,
+        aggregate_type="operation",
+        aggregate_id=record.id,
+        payload={
+            "operation": record.operation,
+            "state": record.state.value,
+            "hook": _clean(hook)[:255],
+            "error": error,
+        },
+    )
+    dead = message_row(record.tenant_id, failed, record.id)
+    dead.update(state="dead", last_error=error)
+    return dead
+
+
+def _clean(text: str) -> str:
+    """Text any database can hold: no NUL, no lone surrogate."""
+    return safe_text(text).replace("\x00", "\\x00")
 
 
 def staging(hooks: OutboxHooks | None, operation: str, to_state: State) -> OutboxHooks | None:
@@ -168,17 +205,11 @@ def message_row(
     if not isinstance(message, Message):
         raise InvalidMessage(f"an outbox message must be a Message, not {type(message).__name__}")
     for name, limit in _LIMITS.items():
-        value = getattr(message, name)
-        if not isinstance(value, str) or not value.strip():
-            raise InvalidMessage(f"the message's {name} must be a non-empty string")
-        if len(value) > limit:
-            raise InvalidMessage(f"the message's {name} is longer than {limit} characters")
-        _utf8(value, name)
+        _text(getattr(message, name), f"the message's {name}", limit)
     message_id = message.id
     if message_id is None:
         message_id = stable_id(*stable) if stable is not None else new_id()
-    if not isinstance(message_id, str) or not message_id or len(message_id) > 36:
-        raise InvalidMessage("a message id must be a non-empty string of at most 36 characters")
+    _text(message_id, "the message's id", 36)
     return {
         "tenant_id": tenant_id,
         "id": message_id,
@@ -196,20 +227,44 @@ def message_row(
 
 def insert_rows(conn: Connection, rows: list[dict[str, Any]]) -> None:
     """Insert outbox rows in the caller's transaction, stamped by the database clock and
-    numbered in the order given (``position``: the order of one aggregate's messages staged
-    together). An id already in the outbox stages nothing: that message exists."""
+    numbered in the order given (``seq``: a sequence on PostgreSQL, the next rowid on
+    SQLite, so one aggregate's messages keep the order they were staged in). An id already
+    in the outbox stages nothing: that message exists."""
     if not rows:
         return
-    for position, row in enumerate(rows):
-        row["position"] = position
-    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
-    now = db_txn_now()
+    postgres = conn.dialect.name == "postgresql"
+    insert = postgresql.insert if postgres else sqlite.insert
+    now = db_now()
     stmt = (
         insert(outbox)
-        .values(next_attempt_at=now, created_at=now, updated_at=now)
+        .values(next_attempt_at=now, created_at=now, updated_at=now, seq=_next_seq(postgres))
         .on_conflict_do_nothing(index_elements=["tenant_id", "id"])
     )
     conn.execute(stmt, rows)
+
+
+def _next_seq(postgres: bool) -> Any:
+    if postgres:
+        return sa.text(f"nextval('{OUTBOX_SEQUENCE}')")
+    # SQLite has one writer; the largest rowid is read from the b-tree's end, not scanned.
+    return sa.text("(SELECT COALESCE(MAX(rowid), 0) + 1 FROM payorch_outbox)")
+
+
+def stage_settled(conn: Connection, hooks: OutboxHooks, record: OperationRecord) -> None:
+    """Stage what ``record``'s outcome stages, in the terminal write's transaction. Rows the
+    database refuses after every check passed (a value it cannot hold) are replaced by the
+    dead :data:`HOOK_FAILED` row, in a savepoint: the outcome is recorded whatever they
+    held. Any other database error is the transaction's, as before."""
+    rows = hooks.rows(record)
+    if not rows:
+        return
+    try:
+        with conn.begin_nested():
+            insert_rows(conn, rows)
+    except (sa.exc.DataError, sa.exc.StatementError) as exc:
+        if isinstance(exc, sa.exc.DBAPIError) and not isinstance(exc, sa.exc.DataError):
+            raise  # the connection's or the server's trouble, not the rows'
+        insert_rows(conn, [failed_row(record, "(the rows it staged)", exc)])
 
 
 def checked_payload(payload: Any) -> dict[str, Any]:
@@ -241,12 +296,24 @@ def _walk(value: Any, path: str) -> None:  # noqa: PLR0912 - one branch per JSON
             if not isinstance(k, str):
                 raise InvalidMessage(f"{path} has a key that is not a string: {k!r}")
             _utf8(k, f"{path} key")
+            if "\x00" in k:
+                raise InvalidMessage(f"{path} has a key with a NUL character")
             _walk(v, f"{path}.{safe_text(k)}")
     elif isinstance(value, list | tuple):
         for i, v in enumerate(value):
             _walk(v, f"{path}[{i}]")
     else:
         raise InvalidMessage(f"{path} is a {type(value).__name__}, which has no JSON form")
+
+
+def _text(value: Any, what: str, limit: int) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidMessage(f"{what} must be a non-empty string")
+    if len(value) > limit:
+        raise InvalidMessage(f"{what} is longer than {limit} characters")
+    _utf8(value, what)
+    if "\x00" in value:  # PostgreSQL's text cannot hold a NUL
+        raise InvalidMessage(f"{what} holds a NUL character")
 
 
 def _utf8(text: str, path: str) -> None:
@@ -264,8 +331,9 @@ def resolve_path(path: str, setting: str) -> Any:
         raise ConfigurationError(f"{setting}: {path!r} is not module:attribute")
     try:
         return pkgutil.resolve_name(path)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ConfigurationError(f"{setting}: cannot load {path!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - whatever the module raised: one line, not a trace
+        reason = f"{type(exc).__name__}: {safe_text(exc)}"
+        raise ConfigurationError(f"{setting}: cannot load {path!r}: {reason}") from None
 
 
 def load_hooks(path: str) -> OutboxHooks:

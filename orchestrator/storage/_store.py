@@ -40,7 +40,7 @@ from . import _probes as probes
 from . import _replication as replication
 from ._claims import claim_uncertain, duplicate_kind, look_again_after
 from ._engine import create_engine, run_in_transaction, run_statement, schema_of
-from ._outbox import OutboxHooks, insert_rows, staging
+from ._outbox import OutboxHooks, stage_settled, staging
 from ._pooling import listen_dsn
 from ._reads import Reads
 from ._replays import Replays
@@ -520,7 +520,7 @@ class Store(Reads, Replays, WorkQueue):
             if also is not None:
                 also(conn, updated)
             if hooks is not None:  # the messages commit with the outcome, or neither does
-                insert_rows(conn, hooks.rows(updated))
+                stage_settled(conn, hooks, updated)
             return updated
 
         return run_in_transaction(self.engine, txn)

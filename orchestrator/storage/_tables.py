@@ -27,12 +27,12 @@ from ..records import Undecodable
 
 __all__ = [
     "ACTIVE_STATE_VALUES",
+    "OUTBOX_SEQUENCE",
     "OUTBOX_STATE_VALUES",
     "StoredJSON",
     "UTCDateTime",
     "db_now",
     "db_now_plus",
-    "db_txn_now",
     "effects",
     "events",
     "is_active",
@@ -111,24 +111,6 @@ class db_now_plus(sa.sql.expression.FunctionElement[datetime]):
 
     type = UTCDateTime()
     inherit_cache = True
-
-
-class db_txn_now(sa.sql.expression.FunctionElement[datetime]):
-    """The database's clock at the start of the transaction on PostgreSQL (``now()``: one
-    value for every row a transaction writes), ``db_now`` on SQLite (one writer at a time)."""
-
-    type = UTCDateTime()
-    inherit_cache = True
-
-
-@compiles(db_txn_now, "postgresql")
-def _pg_txn_now(element: db_txn_now, compiler: SQLCompiler, **kw: Any) -> str:
-    return "now()"
-
-
-@compiles(db_txn_now)
-def _sqlite_txn_now(element: db_txn_now, compiler: SQLCompiler, **kw: Any) -> str:
-    return "(strftime('%Y-%m-%d %H:%M:%f', 'now') || '000')"
 
 
 @compiles(db_now, "postgresql")
@@ -284,6 +266,7 @@ webhook_inbox = sa.Table(
 # -- after the payment: the outbox and the effects done once --------------------------------
 
 OUTBOX_STATE_VALUES = ("pending", "delivered", "dead")
+OUTBOX_SEQUENCE = "payorch_outbox_seq"  # PostgreSQL: the staging order of outbox messages
 
 # The transactional outbox. ``id``, ``aggregatetype``, ``aggregateid``, ``type`` and
 # ``payload`` are the columns (and names) Debezium's outbox event router reads by default,
@@ -298,7 +281,9 @@ outbox = sa.Table(
     sa.Column("type", sa.String(128), nullable=False),
     sa.Column("payload", StoredJSON(), nullable=False),
     sa.Column("destination", sa.String(64), nullable=False),  # the sink a relay sends it to
-    sa.Column("position", sa.Integer, nullable=False),  # its place among those staged with it
+    # The staging order (OUTBOX_SEQUENCE on PostgreSQL, the rowid on SQLite): one
+    # aggregate's messages are delivered in it.
+    sa.Column("seq", sa.BigInteger, nullable=False),
     sa.Column("operation_id", sa.String(36)),  # the operation whose outcome staged it
     sa.Column("state", sa.String(16), nullable=False),
     sa.Column("attempts", sa.Integer, nullable=False),
@@ -325,7 +310,7 @@ outbox = sa.Table(
         "aggregatetype",
         "aggregateid",
         "destination",
-        "created_at",
+        "seq",
     ),
     sa.Index("ix_payorch_outbox_state", "tenant_id", "state", "created_at"),
     # The dead letters, counted at every scrape: only those rows.

@@ -111,4 +111,4 @@ def downgrade() -> None:
     op.drop_table("payorch_effects")
     op.drop_table("payorch_outbox")
     if op.get_bind().dialect.name == "postgresql":
-        op.execute(sa.schema.DropSequence(sa.Sequence("payorch_outbox_seq")))
+        op.execute(sa.schema.DropSequence(sa.Sequence("payorch_outbox_seq"), if_exists=True))

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from test_once import Invalid, Refused, count_effects, stored
+from test_once import Invalid, Refused, count_effects, expire_lease, stored
 
 from payorch import once
 from payorch.core import State
 from payorch.errors import (
+    CommitUncertain,
     ConfigurationError,
     EffectFailed,
     EffectOutcomeUnknown,
@@ -27,6 +29,7 @@ from payorch.errors import (
     InvalidMessage,
     OperationInProgress,
 )
+from payorch.once import _flow, _sql
 from payorch.storage._store import Store
 
 DELIVERIES = 100
@@ -267,3 +270,104 @@ def test_a_claim_is_entered_once_and_checked_first(store: Store) -> None:
     with pytest.raises(ConfigurationError):
         _ = once.claim(store, "n", "k2").effect  # not entered yet
     assert count_effects(store) == 1
+
+
+def test_a_claim_whose_commit_was_in_doubt_holds_the_key_until_its_lease_lapses(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    posted: list[str] = []
+    lost: list[bool] = []
+
+    def answer_lost(real: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            done = real(*args, **kwargs)  # the claim commits; its answer never comes back
+            if not lost:
+                lost.append(True)
+                raise CommitUncertain("connection lost during COMMIT")
+            return done
+
+        return run
+
+    for name in ("run_statement", "run_in_transaction"):
+        monkeypatch.setattr(_sql, name, answer_lost(getattr(_sql, name)))
+
+    def post(entry: str) -> Any:
+        with once.claim(store, "ledger.post", entry) as effect:
+            if not effect.replayed:
+                posted.append(effect.downstream_key)
+                effect.succeed({"entry": entry})
+        return effect.result
+
+    with pytest.raises(CommitUncertain) as info:
+        post("e1")
+    record = stored(store, "ledger.post", "e1")  # it did commit, unmarked, leased to us
+    assert info.value.operation_id == record.id and not record.possibly_sent
+    with pytest.raises(OperationInProgress):  # not taken over while that lease is live
+        post("e1")
+    expire_lease(store, "ledger.post", "e1")
+    assert post("e1") == {"entry": "e1"} and post("e1") == {"entry": "e1"}
+    assert len(posted) == 1 and not stored(store, "ledger.post", "e1").needs_attention
+
+
+# -- a late answer is answered by what is stored --------------------------------------------
+
+
+def test_a_delivery_that_outran_its_lease_gets_what_the_redelivery_stored(store: Store) -> None:
+    runs: list[bool] = []
+
+    @once.consumer(store, name="hooks", rerun_safe=True)
+    def handle(message: once.InboundMessage) -> str:
+        runs.append(once.current().rerun)
+        if len(runs) == 1:
+            # Outruns its lease: the redelivery takes it over and runs it again.
+            expire_lease(store, "hooks", message.id)
+            rerun = handle.outcome(message)
+            assert (rerun.value, rerun.replayed) == ("second run", False)
+            return "first run"
+        return "second run"
+
+    first = handle.outcome("m1", {"n": 1})
+    assert (first.value, first.replayed) == ("second run", True)  # what is stored, as stored
+    assert stored(store, "hooks", "m1").result == "second run" and runs == [False, True]
+    assert handle("m1", {"n": 1}) == "second run" and len(runs) == 2
+
+
+def test_a_late_answer_while_a_rerun_holds_the_key_is_in_progress(store: Store) -> None:
+    runs: list[str] = []
+    holder: list[_flow.Running] = []
+
+    @once.consumer(store, name="hooks", rerun_safe=True)
+    def handle(message: once.InboundMessage) -> str:
+        runs.append(message.id)
+        # Outruns its lease; a redelivery takes it over and is still running it.
+        expire_lease(store, "hooks", message.id)
+        taken = _flow.start(store, handle.policy, handle._messages.target(message))
+        assert isinstance(taken, _flow.Running) and taken.effect.rerun
+        holder.append(taken)
+        return "first run"
+
+    with pytest.raises(OperationInProgress):  # not "first run": that is not what is stored
+        handle("m1", {"n": 1})
+    _flow.finish(store, holder[0], "second run")
+    assert handle("m1", {"n": 1}) == "second run" and runs == ["m1"]
+
+
+def test_a_block_that_failed_late_gets_the_result_stored_meanwhile(store: Store) -> None:
+    blocks: list[bool] = []
+
+    def post(entry: str) -> Any:
+        with once.claim(store, "ledger.post", entry, rerun_safe=True, final_on=Invalid) as effect:
+            if effect.replayed:
+                return effect.result
+            blocks.append(effect.rerun)
+            if len(blocks) == 1:
+                # Outruns its lease; a retry takes it over and posts it.
+                expire_lease(store, "ledger.post", entry)
+                assert post(entry) == {"entry": entry, "by": "retry"}
+                raise Invalid("refused")  # late, and not what the key holds
+            effect.succeed({"entry": entry, "by": "retry"})
+        return effect.result
+
+    assert post("e1") == {"entry": "e1", "by": "retry"}  # not EffectFailed
+    assert stored(store, "ledger.post", "e1").state is State.SUCCEEDED
+    assert blocks == [False, True]

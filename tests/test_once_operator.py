@@ -15,6 +15,7 @@ from payorch.cli._once import once_app
 from payorch.core import State
 from payorch.errors import (
     CommitUncertain,
+    ConfigurationError,
     CorruptRecord,
     EffectFailed,
     EffectOutcomeUnknown,
@@ -28,6 +29,7 @@ from payorch.errors import (
     UnencodableRequest,
 )
 from payorch.http import OPERATION_HEADER, PROBLEM_JSON, REPLAYED_HEADER
+from payorch.once import _metrics
 from payorch.storage._store import Store
 from payorch.storage._tables import effects
 
@@ -247,3 +249,104 @@ def test_a_corrupt_row_is_a_storage_error_not_a_new_run(store: Store) -> None:
         _again(store, "a")
     assert info.value.http_status == 503 and info.value.operation_id == effect_id
     assert count_effects(store) == 1
+
+
+# -- what rerun_safe may take over -----------------------------------------------------------
+
+
+def test_rerun_safe_never_reruns_an_effect_whose_result_could_not_be_stored(store: Store) -> None:
+    runs: list[str] = []
+
+    @once.idempotent(store, namespace="email", key="k", rerun_safe=True)
+    def send(k: str) -> object:
+        runs.append(k)
+        return object() if len(runs) == 1 else "sent again"
+
+    with pytest.raises(ConfigurationError):  # it ran, and its result has no JSON form
+        send("k1")
+    for _ in range(2):  # it ran: never again, rerun_safe or not, until an operator says
+        with pytest.raises(EffectOutcomeUnknown):
+            send("k1")
+    record = stored(store, "email", "k1")
+    assert record.needs_attention and record.error is not None
+    assert record.error["kind"] == "unencodable_result" and runs == ["k1"]
+    once.resolve(store, record.id, to="succeeded", result={"id": "m-1"}, actor="a", reason="log")
+    assert send("k1") == {"id": "m-1"} and runs == ["k1"]
+
+
+@pytest.mark.parametrize("escalation", ["possibly_sent", "lease_expired"])
+def test_rerun_safe_takes_over_an_effect_escalated_as_possibly_sent(
+    store: Store, escalation: str
+) -> None:
+    runs: list[tuple[str, bool]] = []
+
+    @once.idempotent(store, namespace="email", key="k")
+    def cautious(k: str) -> None:
+        runs.append(("cautious", once.current().rerun))
+        raise TimeoutError("no answer") if escalation == "possibly_sent" else Crash
+
+    @once.idempotent(store, namespace="email", key="k", rerun_safe=True)
+    def safe(k: str) -> str:
+        runs.append(("safe", once.current().rerun))
+        return "sent"
+
+    with pytest.raises((EffectOutcomeUnknown, Crash)):
+        cautious("k1")
+    if escalation == "lease_expired":
+        expire_lease(store, "email", "k1")
+        with pytest.raises(EffectOutcomeUnknown):
+            cautious("k1")
+    escalated = stored(store, "email", "k1")
+    assert escalated.error is not None and escalated.error["kind"] == escalation
+    assert safe("k1") == "sent" and safe("k1") == "sent"  # the provider dedupes on our key
+    assert runs == [("cautious", False), ("safe", True)]
+    assert not stored(store, "email", "k1").needs_attention
+
+
+# -- a late answer is answered by what is stored ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("run_ends", "decision", "expected"),
+    [
+        ("returns", "failed_final", EffectFailed),
+        ("returns", "succeeded", {"entry": "by-operator"}),
+        ("raises_final", "succeeded", {"entry": "by-operator"}),
+        ("raises_unknown", "succeeded", {"entry": "by-operator"}),
+        ("raises_unknown", "failed_final", EffectFailed),
+    ],
+)
+def test_a_run_that_outran_its_lease_answers_what_the_operator_decided(
+    store: Store, monkeypatch: pytest.MonkeyPatch, run_ends: str, decision: str, expected: Any
+) -> None:
+    runs: list[str] = []
+    answered: list[str] = []
+    monkeypatch.setattr(_metrics, "counted", lambda namespace, result: answered.append(result))
+
+    @once.idempotent(store, namespace="ledger.post", key="k", final_on=Invalid)
+    def post(k: str) -> dict[str, str]:
+        runs.append(k)
+        # The call outruns its lease: a duplicate escalates it, an operator settles it.
+        expire_lease(store, "ledger.post", k)
+        with pytest.raises(EffectOutcomeUnknown) as info:
+            post(k)
+        result = {"entry": "by-operator"} if decision == "succeeded" else None
+        once.resolve(store, info.value.effect_id, to=decision, result=result, actor="a", reason="r")
+        answered.clear()  # what the late run itself answers, from here
+        if run_ends == "raises_final":
+            raise Invalid("refused")
+        if run_ends == "raises_unknown":
+            raise TimeoutError("no answer")
+        return {"entry": "by-the-run"}
+
+    if expected is EffectFailed:
+        with pytest.raises(EffectFailed) as failed:
+            post("k1")
+        assert failed.value.error_type == "OperatorResolution" and answered == ["failed_replayed"]
+    else:
+        got = post.outcome("k1")
+        assert (got.value, got.replayed) == (expected, True) and answered == ["replayed"]
+    assert runs == ["k1"]  # the duplicate ran nothing
+    record = stored(store, "ledger.post", "k1")
+    assert record.state is State(decision) and record.error is not None
+    assert record.error["resolution"]["actor"] == "a"  # the operator's decision stands

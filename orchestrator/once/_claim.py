@@ -12,6 +12,9 @@ Entering claims the key (a duplicate in flight, a reused key, a recorded failure
 escalated effect raise there, before the block runs); leaving records: the block's result
 if it ended normally (``succeed``'s value, else None), or what its exception means, as
 for :func:`payorch.once.idempotent`. ``async with`` does the same on an ``AsyncStore``.
+After the block, ``result`` is what the key holds: a block that outran its lease while
+another call settled the key gets that call's answer (``replayed`` true; its exception, if
+the key succeeded, is not raised).
 """
 
 from __future__ import annotations
@@ -152,13 +155,19 @@ class EffectClaim:
         if running is None:  # a replay: nothing ran, nothing to record
             return False
         if exc is None or (self._decided and isinstance(exc, Exception)):
-            self.result = finish(store, running, self.result).value
+            done = finish(store, running, self.result)
+            self.replayed, self.result = done.replayed, done.value  # what is stored
             return False  # an exception raised after succeed() goes on as it is
         if not isinstance(exc, Exception):
             return False  # a crash (KeyboardInterrupt, cancelled): the lapsed lease decides
         err = fail(store, running, exc)
         if err is None:
             return False  # retry_on / rerun_safe: the exception goes on, the key runs again
+        if isinstance(err, EffectResult):
+            # The block outran its lease and the key succeeded meanwhile: that result is
+            # the answer, as for a function; the block's exception is not.
+            self.replayed, self.result = True, err.value
+            return True
         raise err from exc
 
 

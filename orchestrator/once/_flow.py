@@ -8,14 +8,16 @@ these very functions under ``storage._bridge.run_bridged``.
 
 A run ends with one fenced write. If that write finds the version changed, the lease had
 lapsed and another call acted: the run's answer is then evidence (:func:`_late`), which
-settles an escalated effect and otherwise overwrites nothing.
+settles an escalated effect and otherwise overwrites nothing. Either way the caller gets
+what the key then holds (:func:`_stored_answer`), never an answer only it was given.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -35,6 +37,7 @@ from ..storage._bridge import pause
 from ..storage._store import Store
 from . import _metrics as metrics
 from ._rules import (
+    LEASE_EXPIRED,
     Kind,
     Verdict,
     classify,
@@ -122,16 +125,24 @@ _ANSWERED = {
 
 
 def _answer(verdict: Verdict, record: EffectRecord, now: datetime) -> EffectResult:
+    answer = _answered(verdict, record, now)
+    if isinstance(answer, PayorchError):
+        raise answer
+    return answer
+
+
+def _answered(verdict: Verdict, record: EffectRecord, now: datetime) -> EffectResult | PayorchError:
+    """The answer of a stored effect (a replay, or the error to raise), counted."""
     metrics.counted(record.namespace, _ANSWERED[verdict])
     if verdict is Verdict.REPLAY:
         return replay(record)
     if verdict is Verdict.REUSED:
-        raise reused(record)
+        return reused(record)
     if verdict is Verdict.FAILED:
-        raise failed(record)
+        return failed(record)
     if verdict is Verdict.UNKNOWN:
-        raise unknown(record)
-    raise in_progress(record, now)
+        return unknown(record)
+    return in_progress(record, now)
 
 
 def _mark(store: Store, policy: Policy, record: EffectRecord, *, rerun: bool) -> Running:
@@ -165,7 +176,7 @@ def _take_over(store: Store, policy: Policy, record: EffectRecord) -> Running:
 def _escalate(store: Store, record: EffectRecord) -> EffectRecord:
     """A lapsed lease over a run that may have reached the outside: outcome_unknown, for an
     operator. Fenced and lapsed at write time, so a live worker is never escalated."""
-    doc = {"kind": "lease_expired", "type": "LeaseExpired", "message": "the worker's lease lapsed"}
+    doc = {"kind": LEASE_EXPIRED, "type": "LeaseExpired", "message": "the worker's lease lapsed"}
     escalated = update_row(
         store,
         record,
@@ -178,7 +189,7 @@ def _escalate(store: Store, record: EffectRecord) -> EffectRecord:
         },
         lapsed=True,
     )
-    _flagged(escalated, "lease_expired")
+    _flagged(escalated, LEASE_EXPIRED)
     return escalated
 
 
@@ -194,22 +205,14 @@ def finish(store: Store, running: Running, value: Any) -> EffectResult:
         raise _unstorable(store, running, exc) from exc
     values = {"state": State.SUCCEEDED.value, "result": stored, "error": None}
     try:
-        try:
-            done = update_row(
-                store,
-                record,
-                {**values, "needs_attention": False},  # a success needs nobody
-                terminal=True,
-                retention=policy.retention,
-            )
-        except StaleVersion:
-            _late(store, running, State.SUCCEEDED, values)
-            done = record
-        else:
-            emit(log, logging.INFO, "effect.recorded", **_fields(done))
+        done = _record_success(store, running, values)
     except StorageError as exc:
         metrics.counted(policy.namespace, "storage_error")
         raise _not_recorded(record, exc) from exc
+    if isinstance(done, EffectResult):
+        return done  # another answer stands: it is this caller's too
+    if isinstance(done, PayorchError):
+        raise done
     metrics.counted(policy.namespace, "fresh")
     return EffectResult(
         value=stored,
@@ -222,9 +225,31 @@ def finish(store: Store, running: Running, value: Any) -> EffectResult:
     )
 
 
-def fail(store: Store, running: Running, exc: Exception) -> PayorchError | None:
+def _record_success(
+    store: Store, running: Running, values: dict[str, Any]
+) -> EffectRecord | EffectResult | PayorchError:
+    """The record this run's result was written to (or, late, settled); else what the key
+    holds instead (:func:`_stored_answer`)."""
+    try:
+        done = update_row(
+            store,
+            running.record,
+            {**values, "needs_attention": False},  # a success needs nobody
+            terminal=True,
+            retention=running.policy.retention,
+        )
+    except StaleVersion:
+        settled = _late(store, running, State.SUCCEEDED, values)
+        return settled if settled is not None else _stored_answer(store, running)
+    emit(log, logging.INFO, "effect.recorded", **_fields(done))
+    return done
+
+
+def fail(store: Store, running: Running, exc: Exception) -> PayorchError | EffectResult | None:
     """Record what ``exc`` means; return the error to raise instead of it, or None to let
-    it through (retry_on, and rerun_safe runs: the same key runs again)."""
+    it through (retry_on, and rerun_safe runs: the same key runs again). A run that lost
+    its lease meanwhile answers what the key now holds: the error that means, or, if the
+    key succeeded without it, the stored result (a replay) to return instead."""
     policy, record = running.policy, running.record
     kind = classify(exc, policy)
     doc = error_doc(exc, kind)
@@ -243,22 +268,28 @@ def fail(store: Store, running: Running, exc: Exception) -> PayorchError | None:
         raise _not_recorded(record, err) from err
 
 
-def _record_final(store: Store, running: Running, doc: dict[str, Any]) -> PayorchError:
+def _record_final(
+    store: Store, running: Running, doc: dict[str, Any]
+) -> PayorchError | EffectResult:
     values = {"state": State.FAILED_FINAL.value, "error": doc, "needs_attention": False}
     try:
         done = update_row(
             store, running.record, values, terminal=True, retention=running.policy.retention
         )
     except StaleVersion:
-        _late(store, running, State.FAILED_FINAL, {"error": doc})
-        done = running.record
+        settled = _late(store, running, State.FAILED_FINAL, {"error": doc})
+        if settled is None:
+            return _stored_answer(store, running)
+        done = settled  # its error: this one's, marked late
     else:
         emit(log, logging.INFO, "effect.recorded", **_fields(done), error_type=doc["type"])
     metrics.counted(running.policy.namespace, "failed")
-    return failed(_with_error(done, doc))
+    return failed(done)
 
 
-def _record_unknown(store: Store, running: Running, doc: dict[str, Any]) -> PayorchError:
+def _record_unknown(
+    store: Store, running: Running, doc: dict[str, Any]
+) -> PayorchError | EffectResult:
     values = {
         "state": State.OUTCOME_UNKNOWN.value,
         "error": doc,
@@ -269,10 +300,9 @@ def _record_unknown(store: Store, running: Running, doc: dict[str, Any]) -> Payo
     try:
         done = update_row(store, running.record, values)
     except StaleVersion:
-        _late(store, running, State.OUTCOME_UNKNOWN, {"error": doc})
-        done = running.record
-    else:
-        _flagged(done, doc["kind"], error_type=doc["type"])
+        _late(store, running, State.OUTCOME_UNKNOWN, {"error": doc})  # settles nothing
+        return _stored_answer(store, running)
+    _flagged(done, doc["kind"], error_type=doc["type"])
     metrics.counted(running.policy.namespace, "escalated")
     return unknown(done)
 
@@ -306,13 +336,16 @@ def _unstorable(store: Store, running: Running, exc: Exception) -> PayorchError:
     )
 
 
-def _late(store: Store, running: Running, state: State, values: dict[str, Any]) -> None:
+def _late(
+    store: Store, running: Running, state: State, values: dict[str, Any]
+) -> EffectRecord | None:
     """The run's own lease was lost (it outran it) and another call wrote meanwhile. An
     effect escalated for that lapse is settled by this answer, which is evidence of what
-    happened; anything else stays as the current holder or an operator decided."""
+    happened: the record so settled is returned. Anything else stays as the current holder
+    or an operator decided (None: the caller answers from what is stored)."""
     found = read_row(store, running.record.tenant_id, running.record.namespace, running.record.key)
     current = found[0] if found is not None else None
-    settled = False
+    settled: EffectRecord | None = None
     if (
         current is not None
         and current.id == running.record.id
@@ -321,8 +354,9 @@ def _late(store: Store, running: Running, state: State, values: dict[str, Any]) 
     ):
         error = values.get("error")
         late = {"late": True, "previous": current.error}
-        try:
-            update_row(
+        # Lost (StaleVersion): an operator or a re-run decided first, and theirs stands.
+        with contextlib.suppress(StaleVersion):
+            settled = update_row(
                 store,
                 current,
                 {
@@ -334,22 +368,38 @@ def _late(store: Store, running: Running, state: State, values: dict[str, Any]) 
                 terminal=True,
                 retention=running.policy.retention,
             )
-            settled = True
-        except StaleVersion:
-            pass  # an operator or a re-run decided first: theirs stands
     emit(
         log,
         logging.WARNING,
         "effect.late_answer",
         **_fields(running.record),
         answer=state.value,
-        settled=settled,
+        settled=settled is not None,
         now_state=current.state.value if current is not None else None,
     )
+    return settled
 
 
-def _with_error(record: EffectRecord, doc: dict[str, Any]) -> EffectRecord:
-    return replace(record, error=doc)
+def _stored_answer(store: Store, running: Running) -> EffectResult | PayorchError:
+    """What a run whose answer did not stand tells its caller: what the key holds now, read
+    again (what every other caller gets), counted as that answer. A replay is returned;
+    the rest is the error to raise: ``EffectFailed``, ``EffectOutcomeUnknown``, or
+    ``OperationInProgress`` while another run holds the key (or may: ask again)."""
+    record = running.record
+    found = read_row(store, record.tenant_id, record.namespace, record.key)
+    if found is None:  # gone (purged) under a run that did happen: nothing stands for it
+        metrics.counted(record.namespace, "storage_error")
+        return OutcomeNotRecorded(
+            f"effect {record.id} ran (or may have), and its outcome could not be recorded; "
+            "ask again with the same key later",
+            operation_id=record.id,
+        )
+    current, now = found
+    # Judged as the next call would, and never acted on: this call runs nothing more.
+    verdict = judge(current, record.fingerprint, now, rerun_safe=running.policy.rerun_safe)
+    if verdict in (Verdict.TAKE_OVER, Verdict.ESCALATE):
+        verdict = Verdict.IN_PROGRESS  # nobody holds it now: the next call decides
+    return _answered(verdict, current, now)
 
 
 def _not_recorded(record: EffectRecord, exc: StorageError) -> OutcomeNotRecorded:

@@ -27,7 +27,9 @@ from ..errors import (
 from ._values import EffectRecord, EffectResult, Policy
 
 __all__ = [
+    "LEASE_EXPIRED",
     "MAX_ERROR_MESSAGE",
+    "RERUNNABLE",
     "Kind",
     "Verdict",
     "classify",
@@ -37,6 +39,7 @@ __all__ = [
     "judge",
     "payload_fingerprint",
     "replay",
+    "rerunnable",
     "reused",
     "storable",
     "unknown",
@@ -68,11 +71,12 @@ _SETTLED = {
 def judge(record: EffectRecord, fingerprint: str, now: datetime, *, rerun_safe: bool) -> Verdict:
     """The answer for a call with ``fingerprint`` that found ``record`` at database time
     ``now``. ``rerun_safe``: the downstream system dedupes on our key, so a run that may have
-    reached it can run again instead of waiting for an operator."""
+    reached it can run again instead of waiting for an operator (never one known to have
+    run, as an ``unencodable_result``)."""
     if record.fingerprint != fingerprint:
         return Verdict.REUSED
     if record.state is not State.IN_PROGRESS:
-        if record.state is State.OUTCOME_UNKNOWN and rerun_safe:
+        if rerun_safe and rerunnable(record):
             return Verdict.TAKE_OVER
         return _SETTLED[record.state]
     if record.lease_expires_at is not None and record.lease_expires_at > now:
@@ -90,6 +94,20 @@ class Kind(enum.Enum):
     RETRY = "retry"  # retry_on: nothing happened; the same key runs again
     FINAL = "final"  # final_on: recorded, replayed as EffectFailed
     POSSIBLY_SENT = "possibly_sent"  # anything else: it may have happened
+
+
+LEASE_EXPIRED = "lease_expired"  # error.kind of an effect escalated when its lease lapsed
+# Why an effect was escalated, when the only doubt is whether a run reached the outside: a
+# downstream system that dedupes on our key (rerun_safe) makes running it again safe.
+# Anything else waits for an operator: a result that could not be stored (the effect ran),
+# or a kind this code does not know.
+RERUNNABLE = frozenset({LEASE_EXPIRED, Kind.POSSIBLY_SENT.value})
+
+
+def rerunnable(record: EffectRecord) -> bool:
+    """An escalated effect whose only doubt is whether it reached the outside."""
+    kind = record.error.get("kind") if record.error is not None else None
+    return record.state is State.OUTCOME_UNKNOWN and isinstance(kind, str) and kind in RERUNNABLE
 
 
 def classify(exc: BaseException, policy: Policy) -> Kind:

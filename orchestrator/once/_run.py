@@ -117,6 +117,8 @@ def drive(
         err = fail(store, started, exc)
         if err is None:
             raise
+        if isinstance(err, EffectResult):
+            return err  # the key succeeded meanwhile (this run had lost its lease): that stands
         raise err from exc
     return finish(store, started, value)
 

@@ -1,5 +1,7 @@
-"""A merchant's webhook endpoint on loopback: it verifies Standard Webhooks signatures and
-applies each ``webhook-id`` once, counting what it was sent and what it applied."""
+"""A merchant's webhook endpoint on loopback: it verifies Standard Webhooks signatures with
+the official library and applies each ``webhook-id`` once, counting what it was sent and
+what it applied. ``status`` is what it answers a verified delivery (a non-2xx applies
+nothing); while ``hold`` is clear, it keeps each request waiting."""
 
 from __future__ import annotations
 
@@ -18,19 +20,24 @@ SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 class Receiver:
     def __init__(self, secret: str = SECRET, status: int = 200) -> None:
         self.verifier = Webhook(secret)
-        self.status = status  # what it answers a valid delivery
+        self.status = status
+        self.hold = threading.Event()
+        self.hold.set()
         self.lock = threading.Lock()
-        self.received: list[str] = []  # every valid delivery's webhook-id, duplicates too
-        self.applied: dict[str, dict[str, Any]] = {}  # webhook-id -> the body, applied once
-        self.refused = 0
+        self.requests = 0  # every request, refused ones too
+        self.refused = 0  # bad signatures
+        self.received: list[str] = []  # every verified delivery's webhook-id, duplicates too
+        self.applied: dict[str, Any] = {}  # webhook-id -> its data, applied once
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
 
     @property
     def url(self) -> str:
         host, port = self.server.server_address[:2]
-        return f"http://{host}:{port}/hooks"
+        return f"http://{host!s}:{port}/hooks"
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         receiver = self
@@ -38,6 +45,9 @@ class Receiver:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with receiver.lock:
+                    receiver.requests += 1
+                receiver.hold.wait(timeout=30)
                 headers = {k.lower(): v for k, v in self.headers.items()}
                 try:
                     receiver.verifier.verify(body, headers)
@@ -46,10 +56,11 @@ class Receiver:
                         receiver.refused += 1
                     self._reply(400)
                     return
-                message_id = headers["webhook-id"]
-                with receiver.lock:
-                    receiver.received.append(message_id)
-                    receiver.applied.setdefault(message_id, json.loads(body))
+                if receiver.status < 300:
+                    message_id = headers["webhook-id"]
+                    with receiver.lock:  # the dedupe: one effect per webhook-id
+                        receiver.received.append(message_id)
+                        receiver.applied.setdefault(message_id, json.loads(body)["data"])
                 self._reply(receiver.status)
 
             def _reply(self, status: int) -> None:
@@ -64,11 +75,12 @@ class Receiver:
 
 
 @contextmanager
-def receiving(status: int = 200) -> Iterator[Receiver]:
-    receiver = Receiver(status=status)
+def receiving(secret: str = SECRET, status: int = 200) -> Iterator[Receiver]:
+    receiver = Receiver(secret, status=status)
     receiver.thread.start()
     try:
         yield receiver
     finally:
+        receiver.hold.set()
         receiver.server.shutdown()
         receiver.server.server_close()

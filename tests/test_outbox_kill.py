@@ -66,7 +66,7 @@ def test_a_relay_killed_at_any_point_loses_nothing_and_the_endpoint_applies_each
         # Every message arrived at least once, and was applied exactly once.
         assert set(receiver.received) == set(ids)
         assert sorted(receiver.applied) == sorted(ids)
-        assert [receiver.applied[i]["data"]["step"] for i in ids[:3]] == [0, 1, 2]
+        assert [receiver.applied[i]["step"] for i in ids[:3]] == [0, 1, 2]
         # What the killed relay had sent is what arrived twice, nothing else.
         duplicates = len(receiver.received) - len(ids)
         assert duplicates == (0 if point == "after_read" else 1)

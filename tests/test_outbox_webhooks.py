@@ -14,7 +14,6 @@ import base64
 import hashlib
 import hmac
 import json
-import threading
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -25,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 import respx
+from outbox_receiver import Receiver, receiving
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from payorch.errors import (
@@ -418,75 +418,13 @@ def test_verify_refuses_a_bad_secret() -> None:
 # -- a real receiver on loopback --------------------------------------------------------------
 
 
-class Merchant:
-    """A webhook endpoint that verifies with the official library, then applies each
-    ``webhook-id`` once. ``status`` is what it answers a verified delivery; while ``hold``
-    is clear, it keeps the request waiting."""
-
-    def __init__(self, secret: str) -> None:
-        self.verifier = Webhook(secret)
-        self.status = 200
-        self.hold = threading.Event()
-        self.hold.set()
-        self.lock = threading.Lock()
-        self.requests = 0
-        self.refused = 0
-        self.applied: dict[str, Any] = {}  # webhook-id -> data, applied once
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(
-            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
-
-    @property
-    def url(self) -> str:
-        host, port = self.server.server_address[:2]
-        return f"http://{host!s}:{port}/hooks"
-
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        merchant = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                with merchant.lock:
-                    merchant.requests += 1
-                merchant.hold.wait(timeout=30)
-                try:
-                    verified = merchant.verifier.verify(body, dict(self.headers.items()))
-                except WebhookVerificationError:
-                    with merchant.lock:
-                        merchant.refused += 1
-                    return self._reply(400)
-                if merchant.status < 300:
-                    with merchant.lock:  # the dedupe: one effect per webhook-id
-                        merchant.applied.setdefault(self.headers["webhook-id"], verified["data"])
-                self._reply(merchant.status)
-
-            def _reply(self, status: int) -> None:
-                self.send_response(status)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        return Handler
-
-
 @pytest.fixture
-def merchant() -> Iterator[Merchant]:
-    m = Merchant(SECRET)
-    m.thread.start()
-    try:
-        yield m
-    finally:
-        m.hold.set()
-        m.server.shutdown()
-        m.server.server_close()
+def merchant() -> Iterator[Receiver]:
+    with receiving(SECRET) as endpoint:
+        yield endpoint
 
 
-def test_a_resent_message_is_received_twice_and_applied_once(merchant: Merchant) -> None:
+def test_a_resent_message_is_received_twice_and_applied_once(merchant: Receiver) -> None:
     sink = WebhookSink({"t1": WebhookEndpoint(merchant.url, SECRET)})
     try:
         m = message()
@@ -503,7 +441,7 @@ def test_a_resent_message_is_received_twice_and_applied_once(merchant: Merchant)
 
 
 def test_an_endpoint_that_refuses_for_ever_gets_one_request_per_attempt(
-    merchant: Merchant,
+    merchant: Receiver,
 ) -> None:
     merchant.status = 410
     sink = WebhookSink({"t1": WebhookEndpoint(merchant.url, SECRET)})
@@ -518,7 +456,7 @@ def test_an_endpoint_that_refuses_for_ever_gets_one_request_per_attempt(
     assert merchant.applied == {}
 
 
-def test_a_wrong_secret_is_refused_by_the_receiver(merchant: Merchant) -> None:
+def test_a_wrong_secret_is_refused_by_the_receiver(merchant: Receiver) -> None:
     sink = WebhookSink({"t1": WebhookEndpoint(merchant.url, OTHER_SECRET)})
     try:
         with pytest.raises(DeliveryFailed, match="http_400"):
@@ -529,7 +467,7 @@ def test_a_wrong_secret_is_refused_by_the_receiver(merchant: Merchant) -> None:
     assert merchant.applied == {}
 
 
-def test_a_receiver_that_never_answers_is_cut_by_the_deadline(merchant: Merchant) -> None:
+def test_a_receiver_that_never_answers_is_cut_by_the_deadline(merchant: Receiver) -> None:
     merchant.hold.clear()  # the receiver takes the request and keeps it
     sink = WebhookSink(
         {"t1": WebhookEndpoint(merchant.url, SECRET)}, deadline=timedelta(seconds=0.5)
@@ -559,7 +497,7 @@ def test_nothing_listening_is_a_connect_error() -> None:
 
 
 def test_through_the_relay_a_refusing_endpoint_is_dead_lettered_and_visible(
-    store: Store, merchant: Merchant
+    store: Store, merchant: Receiver
 ) -> None:
     merchant.status = 410
     with store.engine.begin() as conn:

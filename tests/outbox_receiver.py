@@ -1,4 +1,5 @@
-"""A merchant's webhook endpoint on loopback: it verifies Standard Webhooks signatures with
+"""What the outbox's sink tests share: a message as a relay hands it over, and a merchant's
+webhook endpoint on loopback: it verifies Standard Webhooks signatures with
 the official library and applies each ``webhook-id`` once, counting what it was sent and
 what it applied. ``status`` is what it answers a verified delivery (a non-2xx applies
 nothing); while ``hold`` is clear, it keeps each request waiting."""
@@ -7,14 +8,39 @@ from __future__ import annotations
 
 import json
 import threading
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
+from payorch.outbox import OutboxMessage
+
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+
+
+CREATED = datetime(2025, 3, 1, 12, 30, 45, 123456, tzinfo=UTC)
+
+
+def message(**changes: Any) -> OutboxMessage:
+    """A message as a relay hands it to a sink (``changes`` override its fields)."""
+    fields: dict[str, Any] = {
+        "tenant_id": "t1",
+        "id": str(uuid.uuid4()),
+        "type": "payment.succeeded",
+        "aggregate_type": "payment",
+        "aggregate_id": "op-1",
+        "payload": {"amount": 4200, "currency": "EUR", "note": "café"},
+        "destination": "broker",
+        "attempt": 1,
+        "operation_id": "op-1",
+        "created_at": CREATED,
+    }
+    fields.update(changes)
+    return OutboxMessage(**fields)
 
 
 class Receiver:

@@ -11,15 +11,16 @@ from __future__ import annotations
 import json
 import socket
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import redis
+from outbox_receiver import CREATED, message
 
 from payorch.errors import ConfigurationError, DeliveryFailed
 from payorch.outbox import Message, Relay, find, stage
-from payorch.outbox._sinks import OutboxMessage, Sink
+from payorch.outbox._sinks import Sink
 from payorch.outbox.redis import (
     FIELDS,
     RedisStreamReader,
@@ -35,25 +36,6 @@ if TYPE_CHECKING:
 # The fixtures (imported here, not above: a plugin module must be imported by pytest first,
 # to have its asserts rewritten).
 pytest_plugins = ["redis_server"]
-
-CREATED = datetime(2025, 3, 1, 12, 30, 45, 123456, tzinfo=UTC)
-
-
-def message(**changes: Any) -> OutboxMessage:
-    fields: dict[str, Any] = {
-        "tenant_id": "t1",
-        "id": str(uuid.uuid4()),
-        "type": "payment.succeeded",
-        "aggregate_type": "payment",
-        "aggregate_id": "op-1",
-        "payload": {"amount": 4200, "currency": "EUR", "note": "café"},
-        "destination": "broker",
-        "attempt": 1,
-        "operation_id": "op-1",
-        "created_at": CREATED,
-    }
-    fields.update(changes)
-    return OutboxMessage(**fields)
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import base64
 import hashlib
 import hmac
 import json
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
@@ -24,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 import respx
-from outbox_receiver import Receiver, receiving
+from outbox_receiver import Receiver, message, receiving
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from payorch.errors import (
@@ -34,7 +33,7 @@ from payorch.errors import (
     WebhookSignatureInvalid,
 )
 from payorch.outbox import Message, Relay, RelayPolicy, find, messages, stage
-from payorch.outbox._sinks import OutboxMessage, Sink
+from payorch.outbox._sinks import Sink
 from payorch.outbox._webhooks import (
     WebhookEndpoint,
     WebhookSink,
@@ -46,24 +45,6 @@ from payorch.storage._store import Store
 SECRET = "whsec_" + base64.b64encode(b"k" * 32).decode()
 OTHER_SECRET = "whsec_" + base64.b64encode(b"o" * 24).decode()
 URL = "https://merchant.example/hooks/payorch"
-CREATED = datetime(2025, 3, 1, 12, 30, 45, 123456, tzinfo=UTC)
-
-
-def message(**changes: Any) -> OutboxMessage:
-    fields: dict[str, Any] = {
-        "tenant_id": "t1",
-        "id": str(uuid.uuid4()),
-        "type": "payment.succeeded",
-        "aggregate_type": "payment",
-        "aggregate_id": "op-1",
-        "payload": {"amount": 4200, "currency": "EUR", "note": "café"},
-        "destination": "webhooks",
-        "attempt": 1,
-        "operation_id": "op-1",
-        "created_at": CREATED,
-    }
-    fields.update(changes)
-    return OutboxMessage(**fields)
 
 
 @pytest.fixture

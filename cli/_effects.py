@@ -18,6 +18,7 @@ from ._runtime import (
     JsonFlag,
     build_providers,
     err,
+    not_blank,
     open_store,
     out,
     parse_duration,
@@ -53,12 +54,6 @@ def parse_when(text: str) -> datetime:
             f"{text!r} is neither an ISO 8601 time (2024-05-01T12:00Z) nor a duration (24h)"
         ) from None
     return when.replace(tzinfo=UTC) if when.tzinfo is None else when.astimezone(UTC)
-
-
-def _not_blank(value: str | None) -> str | None:
-    if value is not None and not value.strip():
-        raise typer.BadParameter("must not be empty")
-    return value
 
 
 def _row(finding: Finding) -> dict[str, str]:
@@ -165,11 +160,11 @@ def unexplained_cmd(
     ] = False,
     actor: Annotated[
         str | None,
-        typer.Option(callback=_not_blank, help="Who adopts (kept in each audit event)."),
+        typer.Option(callback=not_blank, help="Who adopts (kept in each audit event)."),
     ] = None,
     reason: Annotated[
         str | None,
-        typer.Option(callback=_not_blank, help="Why (kept in each audit event)."),
+        typer.Option(callback=not_blank, help="Why (kept in each audit event)."),
     ] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     database_url: DatabaseUrl = None,

@@ -16,7 +16,7 @@ from rich.text import Text
 
 from . import _render as render
 from ._lazy import lazy_module
-from ._runtime import DatabaseUrl, JsonFlag, default_actor, err, open_store, out
+from ._runtime import DatabaseUrl, JsonFlag, Tenant, default_actor, err, not_blank, open_store, out
 
 if TYPE_CHECKING:
     from ..once import _operator as effects_operator
@@ -33,19 +33,12 @@ once_app = typer.Typer(
     no_args_is_help=True,
 )
 
-Tenant = Annotated[str | None, typer.Option("--tenant", help="Tenant id.")]
 EffectId = Annotated[str, typer.Argument(help="Effect id.", show_default=False)]
 
 
 class Resolution(enum.StrEnum):
     SUCCEEDED = "succeeded"
     FAILED_FINAL = "failed_final"
-
-
-def _not_blank(value: str | None) -> str | None:
-    if value is not None and not value.strip():
-        raise typer.BadParameter("must not be empty")
-    return value
 
 
 def _json_value(value: str | None) -> str | None:
@@ -124,11 +117,11 @@ def resolve_cmd(
     ],
     reason: Annotated[
         str,
-        typer.Option(callback=_not_blank, help="Why (kept on the effect).", show_default=False),
+        typer.Option(callback=not_blank, help="Why (kept on the effect).", show_default=False),
     ],
     actor: Annotated[
         str | None,
-        typer.Option(callback=_not_blank, help="Who decides (default: the login name)."),
+        typer.Option(callback=not_blank, help="Who decides (default: the login name)."),
     ] = None,
     result: Annotated[
         str | None,

@@ -17,9 +17,11 @@ from ._lazy import lazy_module
 from ._runtime import (
     DatabaseUrl,
     JsonFlag,
+    Tenant,
     default_actor,
     duration_option,
     err,
+    not_blank,
     open_store,
     out,
     reconciler,
@@ -58,13 +60,6 @@ def _cursor(value: str | None) -> str | None:
     return value
 
 
-def _not_blank(value: str | None) -> str | None:
-    if value is not None and not value.strip():
-        raise typer.BadParameter("must not be empty")
-    return value
-
-
-Tenant = Annotated[str | None, typer.Option("--tenant", help="Tenant id.")]
 OperationId = Annotated[str, typer.Argument(help="Operation id.", show_default=False)]
 
 
@@ -197,7 +192,7 @@ def recheck_cmd(
     tenant: Tenant = None,
     actor: Annotated[
         str | None,
-        typer.Option(callback=_not_blank, help="Who asks (default: the login name)."),
+        typer.Option(callback=not_blank, help="Who asks (default: the login name)."),
     ] = None,
     database_url: DatabaseUrl = None,
     json_: JsonFlag = False,
@@ -265,14 +260,12 @@ def void_cmd(
     operation_id: OperationId,
     reason: Annotated[
         str,
-        typer.Option(
-            callback=_not_blank, help="Why (kept in the audit event).", show_default=False
-        ),
+        typer.Option(callback=not_blank, help="Why (kept in the audit event).", show_default=False),
     ],
     actor: Annotated[
         str | None,
         typer.Option(
-            callback=_not_blank, help="Who decides (default: the login name).", show_default=False
+            callback=not_blank, help="Who decides (default: the login name).", show_default=False
         ),
     ] = None,
     tenant: Tenant = None,
@@ -304,14 +297,12 @@ def resolve_cmd(
     ],
     reason: Annotated[
         str,
-        typer.Option(
-            callback=_not_blank, help="Why (kept in the audit event).", show_default=False
-        ),
+        typer.Option(callback=not_blank, help="Why (kept in the audit event).", show_default=False),
     ],
     actor: Annotated[
         str,
         typer.Option(
-            callback=_not_blank, help="Who decides (kept in the audit event).", show_default=False
+            callback=not_blank, help="Who decides (kept in the audit event).", show_default=False
         ),
     ],
     provider_reference: Annotated[
@@ -374,14 +365,12 @@ def ack_cmd(
     operation_id: OperationId,
     reason: Annotated[
         str,
-        typer.Option(
-            callback=_not_blank, help="Why (kept in the audit event).", show_default=False
-        ),
+        typer.Option(callback=not_blank, help="Why (kept in the audit event).", show_default=False),
     ],
     actor: Annotated[
         str,
         typer.Option(
-            callback=_not_blank, help="Who decides (kept in the audit event).", show_default=False
+            callback=not_blank, help="Who decides (kept in the audit event).", show_default=False
         ),
     ],
     tenant: Tenant = None,

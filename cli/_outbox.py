@@ -15,9 +15,11 @@ from . import _render as render
 from ._runtime import (
     DatabaseUrl,
     JsonFlag,
+    Tenant,
     default_actor,
     duration_option,
     err,
+    not_blank,
     open_store,
     out,
     relay,
@@ -34,7 +36,6 @@ outbox_app = typer.Typer(
     no_args_is_help=True,
 )
 
-Tenant = Annotated[str | None, typer.Option("--tenant", help="Tenant id.")]
 MessageId = Annotated[str, typer.Argument(help="Message id.", show_default=False)]
 Limit = Annotated[int, typer.Option(min=1, max=1000, help="How many, newest first.")]
 STATES = ("pending", "delivered", "dead")
@@ -43,12 +44,6 @@ STATES = ("pending", "delivered", "dead")
 def _state(value: str | None) -> str | None:
     if value is not None and value not in STATES:
         raise typer.BadParameter(f"{value!r} is not one of {', '.join(STATES)}")
-    return value
-
-
-def _not_blank(value: str | None) -> str | None:
-    if value is not None and not value.strip():
-        raise typer.BadParameter("must not be empty")
     return value
 
 
@@ -145,13 +140,11 @@ def retry_cmd(
     message_id: MessageId,
     reason: Annotated[
         str,
-        typer.Option(
-            callback=_not_blank, help="Why (kept in the audit event).", show_default=False
-        ),
+        typer.Option(callback=not_blank, help="Why (kept in the audit event).", show_default=False),
     ],
     actor: Annotated[
         str | None,
-        typer.Option(callback=_not_blank, help="Who asks (default: the login name)."),
+        typer.Option(callback=not_blank, help="Who asks (default: the login name)."),
     ] = None,
     tenant: Tenant = None,
     database_url: DatabaseUrl = None,

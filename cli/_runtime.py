@@ -26,11 +26,13 @@ if TYPE_CHECKING:
 __all__ = [
     "DatabaseUrl",
     "JsonFlag",
+    "Tenant",
     "build_providers",
     "database_url",
     "default_actor",
     "duration_option",
     "err",
+    "not_blank",
     "open_store",
     "out",
     "parse_duration",
@@ -61,6 +63,16 @@ DatabaseUrl = Annotated[
     ),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+Tenant = Annotated[str | None, typer.Option("--tenant", help="Tenant id.")]
+
+
+def not_blank(value: str | None) -> str | None:
+    """An option's callback: a reason or an actor must say something."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter("must not be empty")
+    return value
 
 
 def settings() -> Settings:

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from email.utils import parsedate_to_datetime
 from typing import Any, Self
 
 import httpx
@@ -485,9 +487,18 @@ def bounded_raw(text: str | bytes | None) -> str | None:
 
 
 def parse_retry_after(value: str | None, default: float = 1.0) -> float:
+    """Seconds from a ``Retry-After`` header (RFC 9110: delay-seconds or an HTTP-date);
+    ``default`` when it is absent, unreadable or not finite."""
     if value is None:
         return default
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
-        return default
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return default
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        seconds = (when - datetime.now(UTC)).total_seconds()
+    return max(0.0, seconds) if math.isfinite(seconds) else default

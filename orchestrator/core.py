@@ -35,6 +35,7 @@ __all__ = [
     "TERMINAL_STATES",
     "State",
     "backoff_delay",
+    "canonical_digest",
     "canonical_idempotency_key",
     "check_encodable",
     "check_transition",
@@ -273,13 +274,17 @@ def _check_json_value(value: Any, path: str) -> None:
 def fingerprint(effect: Mapping[str, Any]) -> str:
     """SHA-256 (hex) of the RFC 8785 canonical JSON of the effect fields."""
     _check_json_value(effect, "")
+    return canonical_digest(dict(effect), "effect fields")
+
+
+def canonical_digest(value: Any, what: str = "value") -> str:
+    """SHA-256 (hex) of ``value``'s RFC 8785 canonical JSON (dicts, lists and JSON
+    scalars); ``UnencodableRequest`` naming ``what`` if it has no canonical form."""
     try:
-        canonical = rfc8785.dumps(dict(effect))
+        canonical = rfc8785.dumps(value)
     except (rfc8785.CanonicalizationError, TypeError, ValueError) as exc:
         # ValueError includes UnicodeEncodeError: rfc8785 sorts keys by their UTF-16 form.
-        raise UnencodableRequest(
-            f"effect fields cannot be canonicalised: {safe_text(exc)}"
-        ) from exc
+        raise UnencodableRequest(f"{what} cannot be canonicalised: {safe_text(exc)}") from exc
     return hashlib.sha256(canonical).hexdigest()
 
 

@@ -40,7 +40,21 @@ __all__ = [
     "OperationRecord",
     "Redactor",
     "Undecodable",
+    "json_ready",
 ]
+
+
+def json_ready(record: Any) -> dict[str, Any]:
+    """A record dataclass's fields for JSON: times as ISO 8601, states as their values."""
+    out: dict[str, Any] = {}
+    for name in record.__dataclass_fields__:
+        value = getattr(record, name)
+        if isinstance(value, datetime):
+            value = value.isoformat()
+        elif isinstance(value, State):
+            value = value.value
+        out[name] = value
+    return out
 
 
 class Undecodable:
@@ -275,15 +289,7 @@ class OperationRecord:
         return self.state is State.IN_PROGRESS and not self.possibly_sent and not self.lease_owner
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name in self.__dataclass_fields__:
-            value = getattr(self, name)
-            if isinstance(value, datetime):
-                value = value.isoformat()
-            elif isinstance(value, State):
-                value = value.value
-            out[name] = value
-        return out
+        return json_ready(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,9 +314,7 @@ class EventRecord:
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        out["created_at"] = self.created_at.isoformat()
-        return out
+        return json_ready(self)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -387,3 +387,33 @@ def test_workers_beyond_keep_or_idle_too_long_end() -> None:
         ran[0].join(30)  # keep=0: at once; idle_for: once its idle wait times out
         assert not ran[0].is_alive()
         assert workers._idle == []
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        (None, 1.0),
+        ("7", 7.0),
+        ("-5", 0.0),
+        ("soon", 1.0),
+        ("inf", 1.0),
+        ("nan", 1.0),
+        ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0),  # an HTTP-date in the past: now
+    ],
+)
+def test_retry_after_is_seconds_or_an_http_date_else_the_default(
+    header: str | None, expected: float
+) -> None:
+    from payorch.clients import parse_retry_after
+
+    assert parse_retry_after(header) == expected
+
+
+def test_retry_after_as_an_http_date_in_the_future_is_the_wait_until_then() -> None:
+    from datetime import UTC, datetime
+    from email.utils import format_datetime
+
+    from payorch.clients import parse_retry_after
+
+    later = format_datetime(datetime.now(UTC) + timedelta(hours=1), usegmt=True)
+    assert 3000 < parse_retry_after(later) <= 3600

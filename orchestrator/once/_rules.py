@@ -14,15 +14,12 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-import rfc8785
-
-from ..core import State, check_encodable, safe_text
+from ..core import State, canonical_digest, check_encodable, safe_text
 from ..errors import (
     EffectFailed,
     EffectOutcomeUnknown,
     IdempotencyKeyReused,
     OperationInProgress,
-    UnencodableRequest,
 )
 from ._values import EffectRecord, EffectResult, Policy
 
@@ -151,11 +148,7 @@ def payload_fingerprint(payload: Any) -> str:
     if isinstance(payload, bytes | bytearray | memoryview):
         return hashlib.sha256(_BYTES_TAG + bytes(payload)).hexdigest()
     check_encodable(payload, "payload", sets=False)
-    try:
-        canonical = rfc8785.dumps(_plain(payload))
-    except (rfc8785.CanonicalizationError, TypeError, ValueError) as exc:
-        raise UnencodableRequest(f"payload has no canonical JSON form: {safe_text(exc)}") from exc
-    return hashlib.sha256(canonical).hexdigest()
+    return canonical_digest(_plain(payload), "payload")
 
 
 def _plain(value: Any) -> Any:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..core import State, downstream_key, namespace_ref, validate_key_scope
 from ..errors import ConfigurationError, CorruptRecord
-from ..records import Undecodable
+from ..records import Undecodable, json_ready
 
 __all__ = [
     "DEFAULT_LEASE",
@@ -111,15 +111,7 @@ class EffectRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (times as ISO 8601), for the CLI and for APIs."""
-        out: dict[str, Any] = {}
-        for name in self.__dataclass_fields__:
-            value = getattr(self, name)
-            if isinstance(value, datetime):
-                value = value.isoformat()
-            elif isinstance(value, State):
-                value = value.value
-            out[name] = value
-        return out
+        return json_ready(self)
 
     @property
     def released(self) -> bool:

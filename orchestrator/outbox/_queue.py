@@ -21,6 +21,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from ..core import safe_text
 from ..errors import InvalidRequest, MessageNotFound, StateConflict
+from ..records import json_ready
 from ..storage._engine import run_in_transaction
 from ..storage._outbox import HOOK_FAILED
 from ..storage._statements import new_id
@@ -97,11 +98,7 @@ class StoredMessage:
         )
 
     def as_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name in self.__slots__:
-            value = getattr(self, name)
-            out[name] = value.isoformat() if isinstance(value, datetime) else value
-        return out
+        return json_ready(self)
 
 
 def _earlier_pending() -> sa.ColumnElement[bool]:

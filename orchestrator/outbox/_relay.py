@@ -152,7 +152,6 @@ class Relay:
             done = list(self._pool.map(self._one, leased))
         for one in done:
             report.add(one)
-        report.leased = len(leased)
         return report
 
     def _one(self, message: OutboxMessage) -> RelayReport:

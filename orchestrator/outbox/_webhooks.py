@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httpx
@@ -150,22 +149,6 @@ def webhook_body(message: OutboxMessage) -> bytes:
     return text.encode("utf-8")
 
 
-def _retry_after(value: str | None) -> float | None:
-    """Seconds from a ``Retry-After`` header (delay-seconds or an HTTP-date), else None."""
-    if value is None:
-        return None
-    seconds = parse_retry_after(value, default=math.nan)  # nan: not a number of seconds
-    if math.isnan(seconds):
-        try:
-            when = parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
-            return None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=UTC)
-        seconds = max(0.0, (when - datetime.now(UTC)).total_seconds())
-    return seconds if math.isfinite(seconds) else None
-
-
 Endpoints = Mapping[str, WebhookEndpoint] | Callable[[str], WebhookEndpoint | None]
 
 
@@ -246,7 +229,8 @@ class WebhookSink:
         if not 200 <= response.status_code < 300:
             raise DeliveryFailed(
                 f"http_{response.status_code}",
-                retry_after=_retry_after(response.headers.get("retry-after")),
+                # NaN when it named no delay: DeliveryFailed then leaves the backoff to decide.
+                retry_after=parse_retry_after(response.headers.get("retry-after"), math.nan),
             )
 
     def close(self) -> None:

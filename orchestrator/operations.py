@@ -265,9 +265,12 @@ class Registry:
         effect = {name: data.get(name) for name in op_type.effect_fields}
         fp = fingerprint(effect)
         hidden = op_type.sensitive_fields
-        # A sensitive value copied into another field (a description, metadata) goes too.
+        # A sensitive value copied into another field (a description, metadata) goes too,
+        # by the rule of payorch.records: a number or a short text only under a key that
+        # names a sensitive field. A sensitive field left null stays null: nothing is hidden,
+        # and the stored copy is still the request as sent (so it may be sent again).
         redactor = Redactor.for_request(hidden, [data.get(name) for name in hidden])
-        stored = {k: (REDACTED if k in hidden else redactor.json(v)) for k, v in data.items()}
+        stored = dict(redactor.json(data))
         amount = data.get("amount")
         currency = data.get("currency")
         new = NewOperation(

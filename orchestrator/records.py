@@ -2,24 +2,40 @@
 and the one redaction every stored copy of provider text goes through.
 
 **Redaction** (:class:`Redactor`): a sensitive request value is stored nowhere, even where a
-provider echoes it.
+provider echoes it, and nothing else is garbled on its account.
 
 One function decides what every stored copy of provider text looks like (the stored
-response, event details via :meth:`Redactor.answer`, webhook inbox bodies): a
-:class:`Redactor` built from an operation's request.
+request, the stored response, event details via :meth:`Redactor.answer`, webhook inbox
+bodies): a :class:`Redactor` built from an operation's request. What it replaces with
+``[redacted]``:
 
-- While the full request is in hand (``execute()``), the sensitive *values* are known: any
-  string equal to one, anywhere in the JSON (keys included), becomes ``[redacted]``, and so
-  does any occurrence inside a longer string (a message quoting it, a truncated raw body).
-- Afterwards (status queries, webhooks) only the stored request is left, in which those
-  values are already ``[redacted]``: the *names* under which they sat are known, so a value
-  under such a key, anywhere in a provider body, becomes ``[redacted]``. Providers echo
-  fields under the names they were sent with (``metadata[note]`` comes back as
-  ``metadata.note``), so the echo is caught without keeping the value.
+- Under a sensitive name (a sensitive field's, at any depth), the whole value, whatever it
+  is, unless it is null.
+- A sensitive text of four characters or more (a number's digits count as its text), as a
+  whole string anywhere (values and keys) and inside any longer string (a message quoting a
+  card number, a truncated raw body, which also loses a trailing partial value).
+- A shorter sensitive text, or a sensitive number (int or float), only where its whole
+  value is equal *and* the key it sits under names a sensitive field: that field's name, or
+  a key holding its words in order (``card_exp_month``, ``expMonth`` for ``exp_month``).
+  Elsewhere it stays: an expiry month of 12 leaves an ``amount`` of 12, a ``"12"`` in
+  metadata and the 12 in "12 items" as they are. Booleans and nulls always stay.
+
+While the full request is in hand (``execute()``), the sensitive names and values are known.
+Afterwards (status queries, webhooks) only the stored request is left, in which the values
+are already ``[redacted]``: the *names* under which they sat are known, so a value under such
+a key, anywhere in a provider body, becomes ``[redacted]``. Providers echo fields under the
+names they were sent with (``metadata[note]`` comes back as ``metadata.note``), so the echo
+is caught without keeping the value.
+
+A stored request that holds ``[redacted]`` anywhere (:meth:`Redactor.redacted_at`) is not
+the request that was sent, so it is never sent again: re-sending it would hand the provider
+the placeholder. Only a caller that holds the full request sends it.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -332,25 +348,32 @@ class ClaimResult:
 # -- redaction ------------------------------------------------------------------------------
 
 REDACTED = "[redacted]"
-# Shorter values are redacted only where a whole string equals them: replacing "42" inside
-# every text would garble the evidence and hide nothing worth hiding.
-_MIN_INNER = 4
+# A sensitive text at least this long is matched anywhere: as a whole string (a value or a
+# key) and inside a longer one (a message quoting a card number). A shorter one (a CVC, an
+# expiry month as text) and every number match only where a key names a sensitive field:
+# an amount of 12, or a "12" in a description, says nothing about an expiry month of 12.
+_MIN_TEXT = 4
+_WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Redactor:
-    """Replaces sensitive values (and values under sensitive names) with ``[redacted]``."""
+    """Replaces sensitive values (and values under sensitive names) with ``[redacted]``.
+
+    ``keys``: the sensitive names (a value under one goes, whatever it is); ``values``: the
+    sensitive values as text (a number's too); ``numbers``: the sensitive numbers.
+    """
 
     keys: frozenset[str] = frozenset()
     values: frozenset[str] = frozenset()
-    numbers: frozenset[int] = frozenset()
+    numbers: frozenset[int | float] = frozenset()
 
     @classmethod
     def for_request(cls, names: Iterable[str], sensitive: Any) -> Redactor:
         """From the sensitive field ``names`` and their values (``sensitive``: the values,
         any JSON), before anything is stored."""
         values: set[str] = set()
-        numbers: set[int] = set()
+        numbers: set[int | float] = set()
         for leaf in _leaves(sensitive):
             _add(leaf, values, numbers)
         return cls(keys=frozenset(names), values=frozenset(values), numbers=frozenset(numbers))
@@ -366,7 +389,7 @@ class Redactor:
         """
         keys: set[str] = set()
         values: set[str] = set()
-        numbers: set[int] = set()
+        numbers: set[int | float] = set()
 
         def walk(kept: Any, full: Any, key: str | None) -> None:
             if isinstance(kept, str) and kept == REDACTED:
@@ -386,47 +409,82 @@ class Redactor:
         walk(stored or {}, payload, None)
         return cls(keys=frozenset(keys), values=frozenset(values), numbers=frozenset(numbers))
 
+    @staticmethod
+    def redacted_at(stored: Mapping[str, Any] | None) -> str | None:
+        """Where a stored request differs from the one sent, or None if it is that request.
+
+        The path (``metadata.card``, ``lines[1].text``) of the first ``[redacted]`` at any
+        depth: a whole value, a part of a text, or a key; ``"the whole request"`` if none is
+        stored. Only a request this answers None for may be sent again from the store.
+        """
+        if stored is None:
+            return "the whole request"
+        return _placeholder(stored, "")
+
     def __bool__(self) -> bool:
         return bool(self.keys or self.values or self.numbers)
+
+    @functools.cached_property
+    def _named(self) -> tuple[tuple[str, ...], ...]:
+        return tuple(words for key in self.keys if (words := _words(key)))
+
+    def sensitive_name(self, key: str) -> bool:
+        """Whether ``key`` names a sensitive field: it is one, or holds one's words in order
+        (``card_exp_month`` and ``expMonth`` for ``exp_month``)."""
+        if key in self.keys:
+            return True
+        words = _words(key)
+        return any(
+            words[i : i + len(named)] == named
+            for named in self._named
+            for i in range(len(words) - len(named) + 1)
+        )
 
     def json(self, value: Any) -> Any:
         """A copy of ``value`` (any JSON) with every sensitive value replaced."""
         if not self:
             return value
+        return self._json(value, None)
+
+    def _json(self, value: Any, key: str | None) -> Any:
         if isinstance(value, Mapping):
             out: dict[Any, Any] = {}
             for k, v in value.items():
                 name = self.text(k) if isinstance(k, str) else k
                 while name in out:  # two keys redacted alike: keep both entries
                     name = f"{name}+"
-                out[name] = REDACTED if k in self.keys and v is not None else self.json(v)
+                under = str(k)
+                out[name] = REDACTED if k in self.keys and v is not None else self._json(v, under)
             return out
         if isinstance(value, (list, tuple)):
-            return [self.json(v) for v in value]
-        return self._scalar(value)
+            # An element sits under its list's name (a list of expiry months is one).
+            return [self._json(v, key) for v in value]
+        return self._scalar(value, key)
 
-    def _scalar(self, value: Any) -> Any:
-        if isinstance(value, str):
-            return self.text(value)
-        if isinstance(value, bool):
+    def _scalar(self, value: Any, key: str | None) -> Any:
+        if isinstance(value, bool) or value is None:
             return value
-        if isinstance(value, int):
-            return REDACTED if value in self.numbers else value
-        if isinstance(value, float):
-            return REDACTED if repr(value) in self.values else value
+        if isinstance(value, str):
+            if len(value) < _MIN_TEXT and value in self.values:
+                return REDACTED if key is not None and self.sensitive_name(key) else value
+            return self.text(value)
+        if isinstance(value, (int, float)) and value in self.numbers:
+            # A number equal to a sensitive one is the same number only under its name.
+            return REDACTED if key is not None and self.sensitive_name(key) else value
         return value
 
     def text(self, value: str, *, truncated: bool = False) -> str:
-        """``value`` with every sensitive value in it replaced; ``truncated``: the text was
-        cut, so a sensitive value may end it half-way (that prefix goes too)."""
-        if value in self.values:
+        """``value`` with every sensitive value of ``_MIN_TEXT`` or more characters in it
+        replaced; ``truncated``: the text was cut, so a sensitive value may end it half-way
+        (that prefix goes too). Shorter values are left: out of context they are noise."""
+        if len(value) >= _MIN_TEXT and value in self.values:
             return REDACTED
         for secret in self.values:
-            if len(secret) >= _MIN_INNER and secret in value:
+            if len(secret) >= _MIN_TEXT and secret in value:
                 value = value.replace(secret, REDACTED)
         if truncated:
             for secret in self.values:
-                for cut in range(len(secret) - 1, _MIN_INNER - 1, -1):
+                for cut in range(len(secret) - 1, _MIN_TEXT - 1, -1):
                     if value.endswith(secret[:cut]):
                         value = value[: len(value) - cut] + REDACTED
                         break
@@ -448,6 +506,30 @@ class Redactor:
         )
 
 
+def _words(name: str) -> tuple[str, ...]:
+    """A key's words, lower-cased: ``card_exp_month`` and ``cardExpMonth`` alike."""
+    return tuple(w.lower() for w in _WORDS.findall(name))
+
+
+def _placeholder(value: Any, path: str) -> str | None:
+    if isinstance(value, str):
+        return (path or "the request") if REDACTED in value else None
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            here = f"{path}.{k}" if path else str(k)
+            if isinstance(k, str) and REDACTED in k:
+                return f"{here} (a key)"
+            found = _placeholder(v, here)
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = _placeholder(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
 def _leaves(value: Any) -> Iterator[Any]:
     if isinstance(value, Mapping):
         for v in value.values():
@@ -459,12 +541,11 @@ def _leaves(value: Any) -> Iterator[Any]:
         yield value
 
 
-def _add(leaf: Any, values: set[str], numbers: set[int]) -> None:
+def _add(leaf: Any, values: set[str], numbers: set[int | float]) -> None:
     if isinstance(leaf, str):
         if leaf and leaf != REDACTED:
             values.add(leaf)
-    elif isinstance(leaf, int):
+    elif isinstance(leaf, (int, float)):
         numbers.add(leaf)
-        values.add(str(leaf))  # echoed as text, e.g. in string-only metadata
-    elif isinstance(leaf, float):
-        values.add(repr(leaf))
+        # Echoed as text, e.g. in string-only metadata: matched like any text (by length).
+        values.add(str(leaf) if isinstance(leaf, int) else repr(leaf))

@@ -12,6 +12,8 @@ from datetime import timedelta
 import pytest
 import sqlalchemy as sa
 from conftest import make_due
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
 from payorch import WebhookHandler, WebhookStatus
@@ -46,6 +48,37 @@ CARD_CHARGE = OperationType(
     sensitive_fields=("card_number", "holder"),
     provider="sandbox",
 )
+
+
+class ExpiringCharge(BaseModel):
+    amount: int
+    currency: str
+    card_number: str
+    exp_month: int
+    cvc: str | None = None
+    description: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+EXPIRY_CHARGE = OperationType(
+    name="card.expiring",
+    model=ExpiringCharge,
+    effect_fields=("amount", "currency"),
+    sensitive_fields=("card_number", "exp_month", "cvc"),
+    provider="sandbox",
+)
+
+
+def expiring_charge(order: str) -> dict[str, object]:
+    """An amount of 12 with an expiry month of 12, and 12s the app put elsewhere."""
+    return {
+        "amount": 12,
+        "currency": "EUR",
+        "card_number": CARD,
+        "exp_month": 12,
+        "description": f"12 x 12 cm for {CARD}",
+        "metadata": {"quantity": "12", "card": CARD, "card_exp_month": "12", "order": order},
+    }
 
 
 def charge(order: str) -> dict[str, object]:
@@ -110,7 +143,9 @@ def test_redactor_with_the_request_in_hand_finds_values_anywhere() -> None:
     out = redactor.json(body)
     assert out == {
         "id": "pi_1",
-        "metadata": {"copy": REDACTED, REDACTED: "as a key", "n": REDACTED, "s": REDACTED},
+        # The number 90817 under "n" is an amount-like number, not the PIN: only its text
+        # (long enough to mean it) and its name give a PIN away.
+        "metadata": {"copy": REDACTED, REDACTED: "as a key", "n": 90817, "s": REDACTED},
         "lines": [{"text": f"charged {REDACTED}."}],
         "amount": 500,
     }
@@ -133,6 +168,159 @@ def test_redactor_from_the_stored_request_alone_goes_by_name() -> None:
         "data": {"metadata": {"card": REDACTED, "order": "o-1"}, "card_number": REDACTED}
     }
     assert not Redactor.of({"amount": 5})  # nothing sensitive: bodies stored as they are
+
+
+# -- matching by value, not by bare small numbers (issue 25, item 8b) ---------------------------
+
+EXPIRING = Redactor.for_request(("exp_month", "cvc"), [12, "737"])
+
+
+def test_a_small_sensitive_number_is_redacted_only_under_its_name() -> None:
+    body = {
+        "amount": 12,
+        "quantity": "12",
+        "ratio": 12.0,
+        "flags": [True, 12, "12"],
+        "description": "12 items, 737 g",
+        "exp_month": 12,
+        "card": {"exp_month": 12, "expMonth": "12", "card_exp_month": 12, "cvc": "737"},
+        "metadata": {"cvc_check": "737", "code": "737", "exp_month_hint": [12, 1]},
+    }
+    assert EXPIRING.json(body) == {
+        "amount": 12,
+        "quantity": "12",
+        "ratio": 12.0,
+        "flags": [True, 12, "12"],
+        "description": "12 items, 737 g",
+        "exp_month": REDACTED,
+        "card": {
+            "exp_month": REDACTED,
+            "expMonth": REDACTED,
+            "card_exp_month": REDACTED,
+            "cvc": REDACTED,
+        },
+        # A key holding a sensitive name's words (in order) says the value is that field.
+        "metadata": {"cvc_check": REDACTED, "code": "737", "exp_month_hint": [REDACTED, 1]},
+    }
+    answer = Answer(kind=AnswerKind.DECLINED, message="month 12 refused", code="12")
+    assert EXPIRING.answer(answer) == answer  # no name in plain text: nothing to match
+
+
+def test_a_long_sensitive_value_is_redacted_wherever_it_appears() -> None:
+    redactor = Redactor.for_request(("card_number", "exp_month"), [CARD, 12])
+    body = {
+        "id": "pi_1",
+        "amount": 12,
+        "echo": CARD,
+        CARD: "a key",
+        "error": {"message": f"card {CARD} has expired"},
+        "lines": [{"note": CARD}, 12],
+    }
+    assert redactor.json(body) == {
+        "id": "pi_1",
+        "amount": 12,
+        "echo": REDACTED,
+        REDACTED: "a key",
+        "error": {"message": f"card {REDACTED} has expired"},
+        "lines": [{"note": REDACTED}, 12],
+    }
+    cut = Answer(kind=AnswerKind.AMBIGUOUS, raw=f'{{"amount": 12, "card": "{CARD[:7]}')
+    assert redactor.answer(cut).raw == f'{{"amount": 12, "card": "{REDACTED}'
+
+
+def test_the_stored_request_keeps_every_other_12() -> None:
+    registry = Registry()
+    registry.register(EXPIRY_CHARGE)
+    prepared = registry.prepare(
+        tenant_id="shop",
+        operation="card.expiring",
+        idempotency_key="k",
+        request=expiring_charge("o-12"),
+    )
+    assert prepared.new.request == {
+        "amount": 12,
+        "currency": "EUR",
+        "card_number": REDACTED,
+        "exp_month": REDACTED,
+        "cvc": None,  # a sensitive field left empty hides nothing, and stays resendable
+        "description": f"12 x 12 cm for {REDACTED}",
+        "metadata": {
+            "quantity": "12",
+            "card": REDACTED,
+            "card_exp_month": REDACTED,
+            "order": "o-12",
+        },
+    }
+    assert prepared.payload["exp_month"] == 12 and prepared.payload["metadata"]["card"] == CARD
+
+
+SMALL = st.one_of(
+    st.integers(-20, 20),
+    st.floats(-20, 20, allow_nan=False),
+    st.booleans(),
+    st.none(),
+    st.text(alphabet="0123456789ab", max_size=3),
+)
+PLAIN_KEYS = st.sampled_from(["amount", "quantity", "order", "n", "month", "code", "lines"])
+BODIES = st.recursive(
+    SMALL,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(PLAIN_KEYS, inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(
+    secret=st.integers(1, 12) | st.text(alphabet="0123456789ab", min_size=1, max_size=3),
+    body=BODIES,
+)
+def test_short_sensitive_values_never_garble_a_body_outside_their_names(
+    secret: int | str, body: object
+) -> None:
+    """Whatever numbers and short texts a body holds, equal to the secret or not, they stay
+    where no key names a sensitive field."""
+    redactor = Redactor.for_request(("exp_month",), [secret])
+    assert redactor.json(body) == body
+
+
+@given(
+    copies=st.dictionaries(
+        st.sampled_from(["card", "order", "note", "card_number_copy", CARD]),
+        st.sampled_from([CARD, f"card {CARD}", "12", "o-1", CARD[:6], ""]),
+        max_size=4,
+    ),
+    amount=st.integers(1, 20),
+    month=st.integers(1, 12),
+)
+def test_a_stored_request_without_placeholder_is_the_request_sent(
+    copies: dict[str, str], amount: int, month: int
+) -> None:
+    """``Redactor.redacted_at`` lets a stored request be sent again only when it is exactly
+    what was sent; and the card is in it nowhere."""
+    registry = Registry()
+    registry.register(EXPIRY_CHARGE)
+    request = {**expiring_charge("o-1"), "amount": amount, "exp_month": month}
+    request.update(description=None, metadata=copies)
+    prepared = registry.prepare(
+        tenant_id="shop", operation="card.expiring", idempotency_key="k", request=request
+    )
+    stored = prepared.new.request
+    assert stored is not None and stored["amount"] == amount
+    assert Redactor.redacted_at(stored) is not None  # the card number itself is redacted
+    without = {k: v for k, v in stored.items() if k not in ("card_number", "exp_month")}
+    sent = {k: v for k, v in prepared.payload.items() if k not in ("card_number", "exp_month")}
+    if Redactor.redacted_at(without) is None:
+        assert without == sent
+    else:
+        assert without != sent
+    assert CARD not in str(stored)
+
+
+def test_redacted_at_names_the_first_placeholder_at_any_depth() -> None:
+    assert Redactor.redacted_at({"amount": 12, "metadata": {"order": "o-1"}}) is None
+    assert Redactor.redacted_at(None) == "the whole request"
+    assert Redactor.redacted_at({"metadata": {"card": REDACTED}}) == "metadata.card"
+    assert Redactor.redacted_at({"lines": [{"t": "a"}, {"t": f"x {REDACTED}"}]}) == "lines[1].t"
+    assert Redactor.redacted_at({"m": {REDACTED: "v"}}) == f"m.{REDACTED} (a key)"
 
 
 # -- the whole database, searched for the raw values (PostgreSQL and SQLite) ------------------

@@ -363,6 +363,11 @@ def submit_and_record(
     stored; the executor then raises ``ProviderUnavailable``. ``not_sent_is_final=False``
     (re-submission): it stays ``outcome_unknown`` for a later check instead, because an
     earlier attempt, outside this call, may still surface at the provider.
+
+    ``payload`` is what goes to the provider, as it is: the caller's full request (the
+    executor, its inline retries and its take-over of a released operation), or a stored
+    request only once :meth:`Redactor.redacted_at <payorch.records.Redactor.redacted_at>`
+    found no ``[redacted]`` in it (the reconciler's re-send; it escalates the others).
     """
     request = SubmitRequest(
         tenant_id=record.tenant_id,
@@ -373,7 +378,8 @@ def submit_and_record(
         idempotency_key=record.idempotency_key,
         fingerprint=record.fingerprint,
     )
-    # What the provider echoes of a sensitive value is stored nowhere (evidence, response).
+    # What the provider echoes of a sensitive value is stored nowhere (evidence, response);
+    # by value where the stored request hid one, by name everywhere (payorch.records).
     redactor = Redactor.of(record.request, payload)
     calls = metrics.for_provider(adapter.name)
     attempt = 1

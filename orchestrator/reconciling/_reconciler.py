@@ -26,7 +26,6 @@ from ..execution._executor import RetryPolicy, owner_of_this_process, submit_and
 from ..observing import _logs as logs
 from ..observing import _metrics as metrics
 from ..observing import _tracing as tracing
-from ..operations import REDACTED
 from ..outcome import Decision, settled
 from ..provider import (
     AnswerKind,
@@ -425,15 +424,28 @@ class Reconciler:
             reason = "provider honours no idempotency key: never re-sent"
         elif age > window - self.policy.window_margin:
             reason = "past the provider's idempotency window: re-sending could charge twice"
-        elif record.request is None or REDACTED in record.request.values():
-            reason = "stored request is incomplete (redacted): cannot re-send"
+        elif (where := Redactor.redacted_at(record.request)) is not None:
+            # What was stored is not what was sent (a sensitive value, at any depth, is the
+            # placeholder): re-sending it would hand the provider "[redacted]".
+            reason = (
+                f"stored request is incomplete (redacted at {where}): cannot re-send the "
+                "identical request; settle it from the provider's records"
+            )
         if reason is not None:
             detail["decision"] = f"escalate: {reason}"
             self._reschedule(record, now, kind=kind, detail=detail, attention=True)
             return "escalated"
-        assert window is not None
+        assert window is not None and record.request is not None
         detail["decision"] = decision
-        return self._resend(record, now, provider, detail, window=window, actor_kind=actor_kind)
+        return self._resend(
+            record,
+            now,
+            provider,
+            detail,
+            payload=dict(record.request),  # checked above: the request as first sent
+            window=window,
+            actor_kind=actor_kind,
+        )
 
     def _resend(
         self,
@@ -442,10 +454,14 @@ class Reconciler:
         provider: Provider,
         detail: dict[str, Any],
         *,
+        payload: Mapping[str, Any],
         window: timedelta,
         actor_kind: str,
     ) -> str:
-        """Send the stored request again under its key, while the window still covers it."""
+        """Send the stored request again under its key, while the window still covers it.
+
+        ``payload`` is the stored request, found whole by the caller (no placeholder).
+        """
         still_covered = operations.c.created_at > db_now_plus(
             sa.literal(-(window - self.policy.window_margin).total_seconds())
         )
@@ -474,7 +490,7 @@ class Reconciler:
             self.store,
             provider,
             moved,
-            dict(record.request or {}),
+            payload,
             owner=self.owner,
             lease=self.policy.lease,
             retry=self.submit_retry,

@@ -385,8 +385,21 @@ for path in ("/metrics", "/healthz", "/readyz"):
         codes[path] = exc.code
 daemon.stop()
 store.close()
+
+async def scrape():  # the ASGI app of a service: says what is missing, like the daemon
+    sent = []
+    async def receive():
+        return {"type": "http.request", "body": b""}
+    async def send(message):
+        sent.append(message)
+    app = metrics.asgi_app(store=store)
+    await app({"type": "http", "method": "GET", "path": "/metrics", "headers": []}, receive, send)
+    return sent[0]["status"], sent[1]["body"].decode()
+
+import asyncio
+codes["asgi"], asgi_body = asyncio.run(scrape())
 print(json.dumps({"available": metrics.AVAILABLE, "registry": metrics.registry is None,
-                  "state": out.state.value, "codes": codes,
+                  "state": out.state.value, "codes": codes, "asgi": asgi_body,
                   "loaded": "prometheus_client" in sys.modules}))
 """
 
@@ -409,7 +422,8 @@ def test_without_prometheus_client_everything_is_a_no_op(tmp_path: Path) -> None
         "registry": True,
         "state": "succeeded",
         # /metrics says what is missing; the probes work without the extra.
-        "codes": {"/metrics": 404, "/healthz": 200, "/readyz": 200},
+        "codes": {"/metrics": 404, "/healthz": 200, "/readyz": 200, "asgi": 404},
+        "asgi": "metrics need the payorch[metrics] extra\n",
         "loaded": False,
     }
 
@@ -539,17 +553,23 @@ def test_the_async_executor_counts_once_per_call(db_url: str, loop_thread: Any) 
     assert [a - b for a, b in zip(counts(), before, strict=True)] == [1, 1, 1]
 
 
-def test_watch_takes_a_sync_store_and_refuses_an_async_one(db_url: str) -> None:
+def test_watch_takes_a_sync_or_an_async_store_and_refuses_anything_else(db_url: str) -> None:
     from payorch import AsyncStore, Store
     from payorch import metrics as public
 
     store, async_store = Store.from_url(db_url), AsyncStore.from_url(db_url)
     before = public.registry.get_sample_value("payorch_database_up")
     try:
-        with pytest.raises(ConfigurationError, match="needs a Store, not AsyncStore"):
-            public.watch(async_store)
+        with pytest.raises(ConfigurationError, match="needs a Store or an AsyncStore, not str"):
+            public.watch(db_url)  # type: ignore[arg-type]
         # Refused before anything was registered: the earlier gauges (if any) still stand.
         assert public.registry.get_sample_value("payorch_database_up") == before
+        gauges = public.watch(async_store)
+        assert gauges is not None and gauges.is_async
+        # An async store is read by refresh() (on its loop), not by a synchronous collect.
+        assert public.registry.get_sample_value("payorch_database_up") == 0.0
+        asyncio.run(public.refresh())
+        assert public.registry.get_sample_value("payorch_database_up") == 1.0
         assert public.watch(store) is not None
         assert public.registry.get_sample_value("payorch_database_up") == 1.0
     finally:

@@ -9,17 +9,20 @@ Without ``prometheus_client`` (the ``payorch[metrics]`` extra) everything here i
 ``registry`` is ``None``, the decorators return the function they were given, and the
 helpers hand out objects whose methods do nothing.
 
-An embedding service exposes :data:`registry` itself, e.g.
-``prometheus_client.make_asgi_app(registry=payorch.metrics.registry)`` or
-``prometheus_client.generate_latest(payorch.metrics.registry)``, and calls
-:func:`watch` with its store for the state gauges.
+An embedding service exposes :data:`registry` itself: :func:`asgi_app` (which refreshes the
+gauges of an async source first, on the event loop), or
+``prometheus_client.generate_latest(payorch.metrics.registry)``, and calls :func:`watch` with
+its store for the state gauges. ``payorch.metrics.watch`` also takes an ``AsyncStore``
+(``storage/_probes.py`` adapts it: this layer cannot read a store).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import inspect
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
 from typing import Any, Protocol, TypeVar, cast
 
 try:
@@ -37,9 +40,12 @@ from ._bounded import OneAtATime
 
 __all__ = [
     "AVAILABLE",
+    "AsyncGaugeSource",
     "GaugeSource",
+    "MetricsApp",
     "Recorder",
     "StoreGauges",
+    "asgi_app",
     "checked",
     "counts_executions",
     "counts_webhooks",
@@ -50,6 +56,7 @@ __all__ = [
     "for_execution",
     "for_provider",
     "pass_finished",
+    "refresh",
     "registry",
     "set_enabled",
     "watch",
@@ -353,21 +360,57 @@ class GaugeSource(Protocol):
     def read_gauges(self) -> dict[str, Any]: ...
 
 
+class AsyncGaugeSource(Protocol):
+    """The same read, awaited on an event loop (what ``payorch.metrics.watch`` makes of an
+    ``AsyncStore``). A collector is called synchronously, so these values are read by
+    :meth:`StoreGauges.refresh` before the exposition (:func:`asgi_app` does it)."""
+
+    async def read_gauges(self) -> dict[str, Any]: ...
+
+
 class StoreGauges(Collector):
     """Reads the operations table when scraped: active states, due backlog, attention, the
     oldest unknown, and ``payorch_database_up`` (0, never an error, when the read fails or
     takes longer than ``timeout``); on PostgreSQL the replication mode and standbys too.
+
+    A sync source is read by :meth:`collect` (on a worker thread, one at a time); an async
+    one by :meth:`refresh`, and :meth:`collect` reports what the last refresh read.
     """
 
-    def __init__(self, store: GaugeSource, *, timeout: float = 5.0) -> None:
+    def __init__(self, store: GaugeSource | AsyncGaugeSource, *, timeout: float = 5.0) -> None:
         self.store = store
-        self.read = OneAtATime(store.read_gauges, timeout=timeout)
+        self.timeout = timeout
+        self.is_async = inspect.iscoroutinefunction(store.read_gauges)
+        sync = None if self.is_async else cast(GaugeSource, store).read_gauges
+        self.read = None if sync is None else OneAtATime(sync, timeout=timeout)
+        self._last: dict[str, Any] | None = None
+        self._reading: asyncio.Task[dict[str, Any]] | None = None
+
+    async def refresh(self) -> None:
+        """Read an async source now, at most ``timeout``; scrapes that overlap share the
+        read in flight, so a slow database never has more than one (a sync source: nothing
+        to do, :meth:`collect` reads it)."""
+        if not self.is_async:
+            return
+        loop = asyncio.get_running_loop()
+        task = self._reading
+        if task is None or task.done() or task.get_loop() is not loop:
+            read = cast(AsyncGaugeSource, self.store).read_gauges()
+            # Bounded itself (cancelled at the time-out), so it never outlives a scrape.
+            task = loop.create_task(asyncio.wait_for(read, self.timeout))
+            task.add_done_callback(_retrieved)  # a failure is a 0, never a loop warning
+            self._reading = task
+        try:
+            # shield: one scrape's time-out does not cancel the read another one awaits
+            self._last = await asyncio.wait_for(asyncio.shield(task), self.timeout)
+        except Exception:  # noqa: BLE001 - time-out or database error: payorch_database_up 0
+            self._last = None
 
     def describe(self) -> Iterator[Any]:
         return iter(())  # no query at registration time
 
     def collect(self) -> Iterator[Any]:
-        values = self.read()
+        values = self._last if self.read is None else self.read()
         up = GaugeMetricFamily("payorch_database_up", "1 if the state query succeeded")
         up.add_metric([], 0.0 if values is None else 1.0)
         yield up
@@ -395,6 +438,11 @@ class StoreGauges(Collector):
             yield from _outbox_gauges(values["outbox"], values.get("effects_attention", 0))
         if "replication" in values:
             yield from _replication_gauges(values["replication"])
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _outbox_gauges(box: Mapping[str, Any], effects_attention: int) -> Iterator[Any]:
@@ -452,16 +500,16 @@ def _replication_gauges(status: Mapping[str, Any]) -> Iterator[Any]:
 _watched: list[StoreGauges] = []
 
 
-def watch(store: GaugeSource, *, timeout: float = 5.0) -> StoreGauges | None:
+def watch(store: GaugeSource | AsyncGaugeSource, *, timeout: float = 5.0) -> StoreGauges | None:
     """Export the state gauges of ``store`` in :data:`registry` (replaces an earlier one).
 
-    A sync :class:`~payorch.Store` (the daemon's, or one made for the scrape from the same
-    URL): an ``AsyncStore`` reads only inside its event loop, which a scrape is not.
+    A sync :class:`~payorch.Store`, or an :class:`AsyncGaugeSource` (``payorch.metrics.watch``
+    turns an ``AsyncStore`` into one), whose values :func:`refresh` reads.
     """
     if not callable(getattr(store, "read_gauges", None)):
         raise ConfigurationError(
-            f"metrics.watch() needs a Store, not {type(store).__name__}: scrape the state "
-            "gauges from a sync Store on the same database (Store.from_url(url))"
+            f"metrics.watch() needs a Store or an AsyncStore, not {type(store).__name__}: "
+            "pass the store your service executes with (fix the call)"
         )
     if registry is None:
         return None
@@ -474,8 +522,77 @@ def watch(store: GaugeSource, *, timeout: float = 5.0) -> StoreGauges | None:
     return gauges
 
 
+async def refresh() -> None:
+    """Read the state gauges of a watched async source (each read at most its time-out).
+
+    Await it before rendering :data:`registry` yourself; :func:`asgi_app` does it per scrape.
+    """
+    await asyncio.gather(*(gauges.refresh() for gauges in list(_watched)))
+
+
 def exposition() -> tuple[bytes, str] | None:
     """The registry in the text format and its content type; ``None`` without the extra."""
     if registry is None:
         return None
     return prometheus_client.generate_latest(registry), prometheus_client.CONTENT_TYPE_LATEST
+
+
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class MetricsApp:
+    """An ASGI app that answers ``GET``/``HEAD`` with :data:`registry` at whatever path it
+    is routed to (it never looks at the path, so nothing redirects): route it at the exact
+    path, e.g. ``app.add_route("/metrics", metrics.asgi_app(store=store))``.
+
+    Each scrape awaits :func:`refresh` (an async store is read on the loop), then renders; a
+    sync store is read while rendering, so that runs on a worker thread, off the loop.
+    Without ``prometheus_client`` it answers 404 saying what is missing, like the daemon.
+    """
+
+    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":  # served alone (uvicorn): nothing to start
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["type"] != "http":
+            return
+        headers: list[tuple[bytes, bytes]] = [(b"content-type", b"text/plain; charset=utf-8")]
+        if scope["method"] not in ("GET", "HEAD"):
+            status, body = 405, b"method not allowed: use GET or HEAD\n"
+            headers.append((b"allow", b"GET, HEAD"))
+        elif registry is None:
+            status, body = 404, b"metrics need the payorch[metrics] extra\n"
+        else:
+            status, body, content_type = 200, *await _render(scope)
+            headers = [(b"content-type", content_type.encode())]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send(
+            {"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body}
+        )
+
+
+async def _render(scope: Message) -> tuple[bytes, str]:
+    """The exposition in the format the scraper accepts (text or OpenMetrics)."""
+    from prometheus_client.exposition import choose_encoder
+
+    accept = b",".join(v for k, v in scope.get("headers", ()) if k == b"accept").decode("latin-1")
+    encoder, content_type = choose_encoder(accept)
+    await refresh()
+    assert registry is not None  # checked by the caller
+    if all(gauges.is_async for gauges in _watched):
+        return encoder(registry), content_type  # no I/O left: the values are read
+    return await asyncio.to_thread(encoder, registry), content_type
+
+
+def asgi_app(
+    *, store: GaugeSource | AsyncGaugeSource | None = None, timeout: float = 5.0
+) -> MetricsApp:
+    """The ASGI app serving :data:`registry`; with ``store``, :func:`watch` it first."""
+    if store is not None:
+        watch(store, timeout=timeout)
+    return MetricsApp()

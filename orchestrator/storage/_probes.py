@@ -2,22 +2,37 @@
 
 Plain reads of a store; a scrape or a probe waits for one at most a time-out
 (:class:`payorch.observing._bounded.OneAtATime` runs them), so they need not be quick.
+
+An ``AsyncStore`` reads only on its event loop, under the greenlet bridge; observing cannot
+know a store, so :func:`watch` and :func:`asgi_app` (``payorch.metrics``) hand it the
+gauges of one as an :class:`~payorch.observing._metrics.AsyncGaugeSource`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..core import State
 from ..errors import DatabaseReadOnly
+from ..observing import _metrics
+from ._bridge import run_bridged
 from ._engine import read_in_transaction
 from ._replication import MODES, Guard, Status
 from ._tables import db_now, effects, is_active, is_dead, is_flagged, is_pending, operations, outbox
 
-__all__ = ["Probed", "read_gauges", "replication"]
+__all__ = [
+    "AsyncGauges",
+    "AsyncProbed",
+    "Probed",
+    "asgi_app",
+    "read_gauges",
+    "replication",
+    "watch",
+]
 
 
 class Probed(Protocol):
@@ -109,3 +124,60 @@ def replication(store: Probed) -> Status:
         return store.replication.status()
     except DatabaseReadOnly:
         return Status(mode="read_only")
+
+
+class AsyncProbed(Protocol):
+    """An ``AsyncStore``: its async engine and the sync store it drives under the bridge."""
+
+    @property
+    def engine(self) -> AsyncEngine: ...
+
+    @property
+    def sync(self) -> Probed: ...
+
+
+class AsyncGauges:
+    """The gauges of an ``AsyncStore``, awaited: the same read as a :class:`Store`'s, each
+    round trip awaiting on the event loop (never blocking it)."""
+
+    def __init__(self, store: AsyncProbed) -> None:
+        self.store = store
+
+    async def read_gauges(self) -> dict[str, Any]:
+        return await run_bridged(read_gauges, self.store.sync)
+
+
+def gauge_source(store: object) -> Any:
+    """What :func:`payorch.observing._metrics.watch` reads for ``store``: an ``AsyncStore``
+    becomes an :class:`AsyncGauges`; anything else goes as it is (refused there when it is
+    no gauge source)."""
+    if callable(getattr(store, "read_gauges", None)):
+        return store  # a Store, or a source that reads its own gauges (sync or async)
+    engine, sync = getattr(store, "engine", None), getattr(store, "sync", None)
+    if isinstance(engine, AsyncEngine) and callable(getattr(sync, "read_gauges", None)):
+        return AsyncGauges(cast(AsyncProbed, store))
+    return store
+
+
+def watch(
+    store: _metrics.GaugeSource | _metrics.AsyncGaugeSource | AsyncProbed, *, timeout: float = 5.0
+) -> _metrics.StoreGauges | None:
+    """Export the state gauges of ``store`` (a ``Store`` or an ``AsyncStore``) in
+    ``payorch.metrics.registry``, read at most ``timeout`` per scrape; replaces an earlier one.
+
+    A sync store is read when the registry is collected. An async one is read by
+    ``await payorch.metrics.refresh()``, which :func:`asgi_app` awaits before each scrape;
+    a plain ``generate_latest`` shows what the last refresh read.
+    """
+    return _metrics.watch(gauge_source(store), timeout=timeout)
+
+
+def asgi_app(
+    *,
+    store: _metrics.GaugeSource | _metrics.AsyncGaugeSource | AsyncProbed | None = None,
+    timeout: float = 5.0,
+) -> _metrics.MetricsApp:
+    """An ASGI app answering ``payorch.metrics.registry`` at the path it is routed to,
+    refreshing the gauges of ``store`` (watched first, when given) before each scrape."""
+    source = None if store is None else gauge_source(store)
+    return _metrics.asgi_app(store=source, timeout=timeout)

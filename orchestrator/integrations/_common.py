@@ -1,0 +1,103 @@
+"""What the Flask integration and the ASGI middleware answer alike, framework-free.
+
+The answers themselves are :mod:`payorch.http`'s; this holds the integrations' own
+refusals (401, 405, 413, 500), the operation resource's answer and the logging of failures,
+so that both speak with the same problem types as the FastAPI and Django integrations.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..core import State, validate_tenant
+from ..errors import OperationNotFound, PayorchError, SchemaNotReady
+from ..http import SAME_KEY, HttpAnswer, http_answer, problem
+from ..outcome import Outcome
+
+__all__ = [
+    "DEFAULT_MAX_BODY",
+    "Refused",
+    "checked_operation_id",
+    "failure",
+    "known_tenant",
+    "not_allowed",
+    "operation_answer",
+    "too_large",
+    "unresolved",
+]
+
+DEFAULT_MAX_BODY = 1 << 20  # bytes; a payment request or a webhook is a few kilobytes
+_UNRESOLVED = "urn:payorch:problem:tenant-unresolved"  # the FastAPI and Django types
+_NOT_ALLOWED = "urn:payorch:problem:method-not-allowed"
+_TOO_LARGE = "urn:payorch:problem:request-body-too-large"
+_INTERNAL = "urn:payorch:problem:error"
+_MAX_OPERATION_ID = 36  # payorch_operations.id
+_INTERNAL_DETAIL = "the server failed; retry with the same idempotency key later, never a new one"
+
+
+def unresolved() -> HttpAnswer:
+    detail = "this request carries no tenant: authenticate first"
+    return problem(401, _UNRESOLVED, "Tenant unresolved", detail)
+
+
+def too_large(max_body: int) -> HttpAnswer:
+    detail = f"the request body is larger than {max_body} bytes; send a smaller one"
+    return problem(413, _TOO_LARGE, "Request body too large", detail)
+
+
+def not_allowed(method: str, allowed: tuple[str, ...]) -> HttpAnswer:
+    detail = f"{method} is not allowed here; use {', '.join(allowed)}"
+    headers = {"Allow": ", ".join(allowed)}
+    return problem(405, _NOT_ALLOWED, "Method not allowed", detail, headers=headers)
+
+
+def known_tenant(tenant: str | None) -> str:
+    """The resolved tenant, validated; ``None`` (not authenticated) raises :class:`Refused`."""
+    if tenant is None:
+        raise Refused(unresolved())
+    return validate_tenant(tenant)
+
+
+def checked_operation_id(operation_id: str) -> str:
+    # An id no row can hold finds nothing, and must not reach the database as it is.
+    if len(operation_id) > _MAX_OPERATION_ID or not operation_id.isprintable():
+        raise OperationNotFound(f"no operation {operation_id[:_MAX_OPERATION_ID]!r}")
+    return operation_id
+
+
+class Refused(Exception):
+    """A refusal the integration answers itself (401, 413): carries its problem answer."""
+
+    def __init__(self, answer: HttpAnswer) -> None:
+        super().__init__(answer.body.get("detail"))
+        self.answer = answer
+
+
+def failure(
+    exc: BaseException,
+    log: logging.Logger,
+    mapped: Callable[[Any], HttpAnswer] = http_answer,
+) -> HttpAnswer:
+    """Every failure as problem+json; the client gets a generic 5xx detail, the log the truth."""
+    if isinstance(exc, Refused):
+        return exc.answer
+    if isinstance(exc, PayorchError):
+        if exc.http_status >= 500:
+            # A schema to upgrade is one line to act on; a traceback would hide it.
+            trace = None if isinstance(exc, SchemaNotReady) else exc
+            log.error("payorch: %s", exc.message, exc_info=trace)
+        return mapped(exc)
+    log.error("payorch: unexpected error", exc_info=exc)
+    return problem(500, _INTERNAL, "Error", _INTERNAL_DETAIL, retry=SAME_KEY)
+
+
+def operation_answer(outcome: Outcome) -> HttpAnswer:
+    """The operation resource: 200 whatever its state (the state is in the body), with
+    ``Retry-After: 1`` while it is still moving (in progress or unknown)."""
+    answer = http_answer(outcome)
+    headers = {k: v for k, v in answer.headers.items() if k != "Retry-After"}
+    if outcome.unknown or outcome.state is State.IN_PROGRESS:
+        headers["Retry-After"] = "1"
+    return HttpAnswer(status=200, body=answer.body, headers=headers)

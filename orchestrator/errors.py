@@ -40,8 +40,10 @@ and may have reached the provider. No error ever invites a new key.
     │   └── InvalidTransition               409  the state machine forbids it
     ├── ConfigurationError                  500  refused at start-up (or a type's default
     │   │                                        provider missing from the executor)
-    │   └── DatabaseReadOnly                503  a standby or a read-only session; also a
-    │                                            StorageError: nothing committed, same key
+    │   ├── DatabaseReadOnly                503  a standby or a read-only session; also a
+    │   │                                        StorageError: nothing committed, same key
+    │   └── SchemaNotReady                  503  payorch's tables missing, older or newer
+    │                                            than this install; also a StorageError
     ├── ProviderError                       502
     │   ├── ProviderIdempotencyError        502  provider says our key was reused differently
     │   ├── ProviderUnavailable             503  + retry_after; nothing was sent: same key
@@ -96,6 +98,7 @@ __all__ = [
     "ProviderUnavailable",
     "RequestBodyNotJson",
     "RequestValidationFailed",
+    "SchemaNotReady",
     "StaleVersion",
     "StateConflict",
     "StorageError",
@@ -309,6 +312,23 @@ class DatabaseReadOnly(ConfigurationError, StorageError):
 
     http_status = 503
     problem_type = "urn:payorch:problem:database-read-only"
+    retry_after: float = 5.0
+
+
+class SchemaNotReady(ConfigurationError, StorageError):
+    """payorch's tables are not what this install needs: missing (``payorch db upgrade``
+    never ran against this database), at an older revision, or at a revision this install
+    does not know (a newer payorch migrated it: the code was rolled back). Raised by
+    ``Store.check_schema()`` at start-up, and for a statement that finds a table missing.
+
+    The message names what was found and what to run; a configuration error (a deployment
+    step was skipped), and a :class:`StorageError` (503): nothing was written, so a client
+    that meets it retries the same key once the schema is upgraded. Never retried inline:
+    a schema does not appear by waiting.
+    """
+
+    http_status = 503
+    problem_type = "urn:payorch:problem:schema-not-ready"
     retry_after: float = 5.0
 
 

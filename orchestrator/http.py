@@ -20,7 +20,9 @@ key reused with other effect fields            422     type ``…:idempotency-ke
 request model refused the payload              422     type ``…:request-validation-failed``
 key past retention (tombstone)                 410     configurable per operation type
 missing/invalid key, body not JSON, bad input  400     fix the request
-storage failed (before or after the claim)     503     ``same_key`` after ``Retry-After``
+storage failed (before or after the claim)     503     ``same_key`` after ``Retry-After``;
+                                                       ``detail`` says what failed (e.g. run
+                                                       ``payorch db upgrade``)
 =============================================  ======  =========================================
 
 Outcomes are ``application/json`` (the stored body, byte for byte the same on a replay);
@@ -41,6 +43,9 @@ import http_sf
 from .core import MAX_KEY_LENGTH, State, validate_idempotency_key
 from .errors import (
     ConfigurationError,
+    CorruptRecord,
+    DatabaseReadOnly,
+    DatabaseUnavailable,
     EffectFailed,
     EffectOutcomeUnknown,
     InvalidIdempotencyKey,
@@ -50,7 +55,9 @@ from .errors import (
     ProviderUnavailable,
     RequestBodyNotJson,
     RequestValidationFailed,
+    SchemaNotReady,
     StorageError,
+    SyncStandbyUnavailable,
     UnknownProvider,
 )
 from .outcome import Outcome
@@ -88,10 +95,39 @@ FAILED_NOT_SENT_RETRY_AFTER = 5
 # The longest header value that can still hold a valid key: every character escaped, quoted.
 _MAX_FIELD = 2 * MAX_KEY_LENGTH + 2
 
-_STORAGE_DETAIL = (
-    "storage is unavailable; retry with the same idempotency key after Retry-After seconds, "
-    "never with a new one"
+_SAME_KEY_LATER = (
+    "retry with the same idempotency key after Retry-After seconds, never with a new one"
 )
+# What an operator can act on, by the kind of storage failure; never the database's own
+# text (hosts, SQL, a URL's credentials): that stays on the exception, for the logs.
+_STORAGE_DETAILS: tuple[tuple[type[StorageError], str], ...] = (
+    (
+        SchemaNotReady,
+        "payorch's tables are missing or out of date: run `payorch db upgrade`; nothing was "
+        f"written; {_SAME_KEY_LATER}",
+    ),
+    (
+        DatabaseReadOnly,
+        "the database refuses writes (a standby or a read-only session): payorch must be "
+        f"pointed at the primary; nothing was written; {_SAME_KEY_LATER}",
+    ),
+    (
+        SyncStandbyUnavailable,
+        "no synchronous standby is streaming, which this service requires before it claims "
+        f"a key; nothing was written; {_SAME_KEY_LATER}",
+    ),
+    (
+        DatabaseUnavailable,
+        "the database could not be reached (down, refusing connections, a connection lost, "
+        f"or none free in the pool); nothing was written; {_SAME_KEY_LATER}",
+    ),
+    (
+        CorruptRecord,
+        "a stored record of this operation cannot be read and is set aside for an operator "
+        f"to repair; {_SAME_KEY_LATER}",
+    ),
+)
+_STORAGE_DETAIL = f"the database failed the request; nothing was written; {_SAME_KEY_LATER}"
 _NOT_RECORDED_DETAIL = (
     "the operation may exist and may have reached the provider, but its outcome is not "
     "recorded yet; retry with the same idempotency key after Retry-After seconds, never "
@@ -287,8 +323,7 @@ def _error_answer(err: PayorchError, *, status: int | None = None) -> HttpAnswer
         ext["error_type"] = err.error_type
     elif isinstance(err, StorageError):
         # Never the database's own text (hosts, SQL) to a client; it stays on the exception.
-        not_recorded = isinstance(err, OutcomeNotRecorded)
-        detail = _NOT_RECORDED_DETAIL if not_recorded else _STORAGE_DETAIL
+        detail = _storage_detail(err)
         headers["Retry-After"] = _seconds(err.retry_after)
         ext["retry"] = SAME_KEY
     elif isinstance(err, ProviderUnavailable):
@@ -305,6 +340,15 @@ def _error_answer(err: PayorchError, *, status: int | None = None) -> HttpAnswer
     return problem(
         status, err.problem_type, _title(err.problem_type), detail, headers=headers, **ext
     )
+
+
+def _storage_detail(err: StorageError) -> str:
+    if isinstance(err, OutcomeNotRecorded):
+        return _NOT_RECORDED_DETAIL
+    for kind, detail in _STORAGE_DETAILS:
+        if isinstance(err, kind):
+            return detail
+    return _STORAGE_DETAIL
 
 
 def _outcome_answer(result: Outcome, success_status: int, location: str | None) -> HttpAnswer:

@@ -25,6 +25,8 @@ from sqlalchemy.engine import URL, Engine
 from .errors import ConfigurationError, InvalidRequest
 from .storage._engine import create_engine, map_db_error, schema_of
 from .storage._pooling import normalise_url
+from .storage._schema import MARKER_TABLE as _MARKER_TABLE
+from .storage._schema import VERSION_TABLE, script_directory
 
 __all__ = [
     "BRANCH",
@@ -38,18 +40,7 @@ __all__ = [
     "versions_directory",
 ]
 
-VERSION_TABLE = "payorch_alembic_version"
 BRANCH = "payorch"
-_MARKER_TABLE = "payorch_operations"
-
-
-def script_directory() -> Path:
-    """Where the migration environment lives: inside the package, or the checkout's folder."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "migrations", here.parent / "alembic"):
-        if (candidate / "env.py").is_file() and (candidate / "versions").is_dir():
-            return candidate
-    raise ConfigurationError(f"payorch's migrations are missing from {here} (a broken install?)")
 
 
 def versions_directory() -> Path:

@@ -257,3 +257,70 @@ def test_progress_is_a_bar_on_a_terminal_and_nothing_in_a_pipe() -> None:
     for done in range(0, 251):
         every(done, 250)
     assert seen == [(100, 250), (200, 250)]  # the end is the caller's summary line
+
+
+# -- an application that configured no logging ---------------------------------------------------
+
+# Runs in a fresh interpreter: a payment (INFO lines only), then a forged webhook (a WARNING).
+# argv: database URL, sandbox URL, sandbox webhook secret, "configured" or "bare".
+_APP = """
+import json, logging, sys
+from datetime import timedelta
+if sys.argv[4] == "configured":
+    logging.basicConfig(level=logging.INFO, format="APP %(levelname)s %(name)s %(message)s")
+from payorch.errors import WebhookSignatureInvalid
+from payorch.execution._executor import Executor
+from payorch.operations import default_registry
+from payorch.providers.sandbox import SandboxProvider
+from payorch.reconciling._webhooks import WebhookHandler
+from payorch.storage._store import Store
+
+store = Store.from_url(sys.argv[1])
+provider = SandboxProvider(base_url=sys.argv[2], webhook_secret=sys.argv[3])
+executor = Executor(store=store, providers=[provider], registry=default_registry("sandbox"),
+                    lease=timedelta(minutes=2))
+outcome = executor.execute(tenant_id="shop", operation="payment.create",
+                           idempotency_key="k-" + sys.argv[4],
+                           request={"amount": 100, "currency": "EUR"})
+print(outcome.state.value)
+headers = {"webhook-id": "msg_1", "webhook-timestamp": "1", "webhook-signature": "v1,AAAA"}
+try:
+    WebhookHandler(store=store, providers=[provider]).handle(
+        "shop", "sandbox", headers, json.dumps({"type": "effect.succeeded"}).encode())
+except WebhookSignatureInvalid:
+    print("refused")
+"""
+
+
+def run_app(db_url: str, sandbox: SandboxServer, mode: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PAYORCH_")}
+    args = [db_url, sandbox.url, sandbox.webhook_secret or "", mode]
+    return subprocess.run(
+        [sys.executable, "-c", _APP, *args],
+        capture_output=True,
+        text=True,
+        env=base,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_without_logging_configured_warnings_reach_stderr_and_info_stays_quiet(
+    db_url: str, sandbox: SandboxServer
+) -> None:
+    bare = run_app(db_url, sandbox, "bare")
+    assert bare.returncode == 0, bare.stderr
+    assert bare.stdout.split() == ["succeeded", "refused"]
+    # The warning, through Python's last resort (no NullHandler hides it); a payment that
+    # went well prints nothing.
+    [line] = bare.stderr.splitlines()
+    assert line.startswith("webhook.rejected ") and "error=WebhookSignatureInvalid" in line
+
+    configured = run_app(db_url, sandbox, "configured")
+    assert configured.returncode == 0, configured.stderr
+    lines = configured.stderr.splitlines()
+    assert all(x.startswith("APP ") for x in lines), lines  # the app's handler, once each
+    rejected = [x for x in lines if "webhook.rejected" in x]
+    assert rejected == [x for x in lines if x.startswith("APP WARNING payorch.webhooks")]
+    assert len(rejected) == 1
+    assert any(x.startswith("APP INFO payorch.executor operation.transition") for x in lines)

@@ -67,6 +67,7 @@ EXPECTED = [
     "RequestBodyNotJson",
     "RequestValidationFailed",
     "RetryPolicy",
+    "SchemaNotReady",
     "Settings",
     "StaleVersion",
     "State",

@@ -41,6 +41,7 @@ __all__ = [
     "async_store",
     "async_tenant",
     "async_webhook_handler",
+    "checked_async",
     "close",
     "config",
     "executor",
@@ -216,6 +217,7 @@ class _Runtime:
         self.astore: AsyncStore | None = None
         self.aexecutor: AsyncExecutor | None = None
         self.awebhooks: AsyncWebhookHandler | None = None
+        self.achecked: AsyncStore | None = None  # the async store whose schema was checked
 
     def settings(self) -> tuple[PayorchConfig, list[Provider], Registry]:
         with self.lock:
@@ -230,9 +232,15 @@ class _Runtime:
         with self.lock:
             if self.executor is None or self.webhooks is None:
                 config, providers, registry = self.settings()
-                store = self.store = Store.from_url(
-                    config.database_url, outbox_hooks=config.outbox_hooks
-                )
+                store = Store.from_url(config.database_url, outbox_hooks=config.outbox_hooks)
+                try:
+                    # The start-up check, on first use: a schema to upgrade fails every
+                    # request loudly (503, logged), and is looked at again on the next.
+                    store.check_schema()
+                except BaseException:
+                    store.close()
+                    raise
+                self.store = store
                 self.executor = Executor(
                     store=store, providers=providers, registry=registry, lease=config.lease
                 )
@@ -290,6 +298,15 @@ def executor() -> Executor:
 
 def webhook_handler() -> WebhookHandler:
     return _runtime.sync()[1]
+
+
+async def checked_async() -> None:
+    """The async store's start-up check (``AsyncStore.check_schema``), on first use: run
+    by the async views before they touch the store; ``SchemaNotReady`` until it passes."""
+    astore = _runtime.asynchronous()[0].store
+    if _runtime.achecked is not astore:
+        await astore.check_schema()  # racing first requests may both check: harmless
+        _runtime.achecked = astore
 
 
 def async_executor() -> AsyncExecutor:

@@ -19,6 +19,9 @@ says (the view only shapes the request, or is left out: :func:`idempotent_view`)
 An ``async def`` view runs on the :class:`~payorch.AsyncExecutor` (under ASGI); a plain one
 on the :class:`~payorch.Executor`. Both are built once, lazily, from ``settings.PAYORCH``.
 Every refusal is an RFC 9457 ``application/problem+json`` answer; nothing is written.
+On first use each runtime checks payorch's schema (``Store.check_schema``): until
+``payorch db upgrade`` has run, every request answers 503 ``schema-not-ready`` and logs
+the command to run.
 The tenant always comes from the request (header, path, principal), never from the body.
 """
 
@@ -32,13 +35,18 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeAlias, cast
 
-from django.core.exceptions import RequestDataTooBig
-from django.http import HttpRequest, HttpResponse
+from django.core.exceptions import (
+    BadRequest,
+    PermissionDenied,
+    RequestDataTooBig,
+    SuspiciousOperation,
+)
+from django.http import Http404, HttpRequest, HttpResponse
 from django.urls import NoReverseMatch, URLPattern, path, reverse
 from django.views.decorators.csrf import csrf_exempt
 
 from ..core import State, validate_tenant
-from ..errors import ConfigurationError, PayorchError
+from ..errors import ConfigurationError, PayorchError, SchemaNotReady
 from ..http import (
     IDEMPOTENCY_KEY_HEADER,
     SAME_KEY,
@@ -57,6 +65,7 @@ from ._django_config import (
     async_store,
     async_tenant,
     async_webhook_handler,
+    checked_async,
     close,
     config,
     executor,
@@ -91,6 +100,46 @@ _UNRESOLVED = "urn:payorch:problem:tenant-unresolved"
 _NOT_ALLOWED = "urn:payorch:problem:method-not-allowed"
 _TOO_LARGE = "urn:payorch:problem:request-body-too-large"
 _INTERNAL = "urn:payorch:problem:error"
+# Django's own refusals, raised by a view (or what it calls) before anything ran: each keeps
+# its status, as Django would answer it, and says so; the key stays unused.
+_NOTHING_RAN = "nothing ran and nothing was stored under this idempotency key"
+_REFUSALS: tuple[tuple[type[Exception], int, str, str, str, int], ...] = (
+    (
+        PermissionDenied,
+        403,
+        "urn:payorch:problem:permission-denied",
+        "Permission denied",
+        f"the request is not allowed; {_NOTHING_RAN}: fix the request or its credentials "
+        "before sending it again (the same key may be used then)",
+        logging.INFO,
+    ),
+    (
+        Http404,
+        404,
+        "urn:payorch:problem:not-found",
+        "Not found",
+        f"what the request names does not exist; {_NOTHING_RAN}: fix the request",
+        logging.INFO,
+    ),
+    (
+        # DisallowedHost, TooManyFieldsSent, …: Django answers them 400 too.
+        SuspiciousOperation,
+        400,
+        "urn:payorch:problem:suspicious-request",
+        "Suspicious request",
+        f"the request was refused as suspicious (its host, headers or fields); "
+        f"{_NOTHING_RAN}: fix the request",
+        logging.WARNING,
+    ),
+    (
+        BadRequest,
+        400,
+        "urn:payorch:problem:bad-request",
+        "Bad request",
+        f"the request was refused as malformed; {_NOTHING_RAN}: fix the request",
+        logging.INFO,
+    ),
+)
 
 
 # -- answers ---------------------------------------------------------------------------------
@@ -108,10 +157,16 @@ def _response(answer: HttpAnswer) -> HttpResponse:
 def _failure(exc: Exception, mapped: Callable[[Any], HttpAnswer] = http_answer) -> HttpAnswer:
     if isinstance(exc, PayorchError):
         if exc.http_status >= 500:  # the client gets a generic detail; the logs the truth
-            log.error("payorch: %s", exc.message, exc_info=exc)
+            # A schema to upgrade is one line to act on; a traceback would hide it.
+            trace = None if isinstance(exc, SchemaNotReady) else exc
+            log.error("payorch: %s", exc.message, exc_info=trace)
         return mapped(exc)
-    if isinstance(exc, RequestDataTooBig):
+    if isinstance(exc, RequestDataTooBig):  # a SuspiciousOperation too, with its own status
         return problem(413, _TOO_LARGE, "Request body too large", "the request body is too large")
+    for kind, status, type_, title, detail, level in _REFUSALS:
+        if isinstance(exc, kind):
+            log.log(level, "payorch: the view refused the request (%s)", type(exc).__name__)
+            return problem(status, type_, title, detail)
     log.exception("payorch: unexpected error")
     detail = "the server failed; retry with the same idempotency key later, never a new one"
     return problem(500, _INTERNAL, "Error", detail, retry=SAME_KEY)
@@ -180,7 +235,10 @@ def idempotent(
     body, after the key, the tenant and the body were checked. It returns the request to
     execute (a mapping or a pydantic model; ``None`` means the payload as it is) or an
     ``HttpResponse`` of its own (then nothing is executed). It may raise a ``PayorchError``
-    (e.g. ``RequestValidationFailed``) to refuse. An ``async def`` view runs on the
+    (e.g. ``RequestValidationFailed``) to refuse, or refuse the Django way:
+    ``PermissionDenied`` (403), ``Http404`` (404), ``SuspiciousOperation`` and its
+    subclasses, ``BadRequest`` (400), each answered as problem+json, logged below ERROR,
+    with nothing executed and the key left unused. An ``async def`` view runs on the
     ``AsyncExecutor``. The view is CSRF-exempt: it needs the ``Idempotency-Key`` header,
     which a cross-site form cannot send and a cross-site script cannot without CORS consent.
     """
@@ -262,6 +320,7 @@ def _async_view(spec: _Spec, view: AsyncShape) -> Callable[..., Awaitable[HttpRe
             shaped = await view(request, payload, *args, **kwargs)
             if isinstance(shaped, HttpResponse):
                 return shaped
+            await checked_async()
             outcome = await async_executor().execute(
                 tenant_id=validate_tenant(tenant),
                 operation=spec.operation,
@@ -303,6 +362,7 @@ async def _async_webhook(request: HttpRequest, tenant: str, provider: str) -> Ht
     try:
         require_asgi(request)
         headers = dict(request.headers.items())
+        await checked_async()
         result = await async_webhook_handler().handle_delivery(
             tenant, provider, headers, request.body
         )
@@ -348,6 +408,7 @@ async def _async_operation(request: HttpRequest, operation_id: str, **_: Any) ->
         tenant = await async_tenant(request)
         if tenant is None:
             return _unresolved()
+        await checked_async()
         record = await async_store().get(validate_tenant(tenant), operation_id)
     except Exception as exc:  # noqa: BLE001 - every failure answers problem+json
         return _response(_failure(exc))

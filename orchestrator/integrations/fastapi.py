@@ -14,8 +14,9 @@ The dependency resolves the tenant (from the request: a header, a path parameter
 authenticated principal; never the body), parses the ``Idempotency-Key`` header and the JSON
 body, and refuses bad input with an RFC 9457 problem before anything is written. The
 :class:`~payorch.AsyncExecutor` runs on the server's event loop (no thread pool); the
-lifespan checks the database on start-up (reachable, a read-write primary, its replication
-mode logged) and closes the store and the adapters' clients.
+lifespan checks the database on start-up (reachable, a read-write primary, payorch's schema
+at this install's revision, its replication mode logged) and closes the store and the
+adapters' clients.
 """
 
 import contextlib
@@ -32,7 +33,7 @@ from starlette.routing import NoMatchFound
 from starlette.types import ASGIApp
 
 from ..core import State, validate_tenant
-from ..errors import ConfigurationError, OperationNotFound, PayorchError
+from ..errors import ConfigurationError, OperationNotFound, PayorchError, SchemaNotReady
 from ..execution._async import AsyncExecutor
 from ..execution._executor import RetryPolicy
 from ..http import (
@@ -101,7 +102,9 @@ def _failure(exc: Exception, mapped: Callable[[Any], HttpAnswer] = http_answer) 
         return _response(exc.answer)
     if isinstance(exc, PayorchError):
         if exc.http_status >= 500:
-            log.error("payorch: %s", exc.message, exc_info=exc)
+            # A schema to upgrade is one line to act on; a traceback would hide it.
+            trace = None if isinstance(exc, SchemaNotReady) else exc
+            log.error("payorch: %s", exc.message, exc_info=trace)
         return _response(mapped(exc))
     log.error("payorch: unexpected error", exc_info=exc)
     detail = "the server failed; retry with the same idempotency key later, never a new one"
@@ -252,7 +255,9 @@ class Payorch:
     async def lifespan(self, app: ASGIApp) -> AsyncIterator[None]:
         """``FastAPI(lifespan=payorch.lifespan)``, or ``async with payorch.lifespan(app):``
         inside the app's own lifespan. Refuses to start without the exception handlers
-        (a refusal would otherwise be a 500) or without a reachable database."""
+        (a refusal would otherwise be a 500), without a reachable database, or on one whose
+        payorch schema is not this install's (``SchemaNotReady``: run ``payorch db
+        upgrade``)."""
         handlers = getattr(app, "exception_handlers", None)
         if isinstance(handlers, Mapping) and PayorchError not in handlers:
             raise ConfigurationError(
@@ -260,7 +265,13 @@ class Payorch:
                 "FastAPI(..., exception_handlers=payorch.exception_handlers)"
             )
         try:
-            await self.store.db_time()  # the pool's first connection, on the server's loop
+            try:
+                # The pool's first connection, on the server's loop: payorch's schema must
+                # be this install's (else the app would start and answer every payment 503).
+                await self.store.check_schema()
+            except PayorchError as exc:
+                log.error("payorch cannot start: %s", exc.message)  # one line, then uvicorn's
+                raise
             await self.store.check_replication()  # logged; strict mode refuses without sync
             yield
         finally:

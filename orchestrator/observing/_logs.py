@@ -1,6 +1,9 @@
 """Structured log lines through the standard :mod:`logging` module.
 
-Loggers: ``payorch.executor``, ``payorch.reconciler``, ``payorch.webhooks``, ``payorch.db``.
+Loggers: ``payorch.executor``, ``payorch.reconciler``, ``payorch.webhooks``, ``payorch.db``
+(every logger payorch uses is listed in ``docs/embedding.md``). Without any logging
+configuration WARNING and above reach stderr (Python's last resort): payorch installs no
+``NullHandler``, so a misconfiguration is seen.
 Every line payorch emits has a stable event name (``record.event``) and its fields as record
 attributes (``extra``), and a message that repeats them as ``event key=value …`` for
 plain formatters. Fields are identifiers and classifications: operation id, tenant,
@@ -71,9 +74,11 @@ __all__ = [
 executor_log = logging.getLogger("payorch.executor")
 reconciler_log = logging.getLogger("payorch.reconciler")
 webhooks_log = logging.getLogger("payorch.webhooks")
-# A library's manners: no output unless the application configures logging (without this,
-# Python's last-resort handler would print WARNING lines on stderr).
-logging.getLogger("payorch").addHandler(logging.NullHandler())
+# No NullHandler on "payorch": an application that configured no logging at all still
+# sees payorch's WARNING and ERROR lines on stderr (Python's ``logging.lastResort``), so a
+# misconfiguration (a database never migrated, a standby) is never silent. Nothing that
+# happens in normal operation is logged at WARNING; INFO and DEBUG stay quiet until the
+# application configures logging (docs/embedding.md, "Logging").
 
 FORMATS = ("text", "json")
 DEBUG = logging.DEBUG

@@ -63,6 +63,12 @@ class AsyncStore:
         a synchronous standby and none streams. (A sync store checks when it is built.)"""
         return await run_bridged(self.sync.replication.check)
 
+    async def check_schema(self) -> str:
+        """:meth:`Store.check_schema`, awaited: one read, on start-up; ``SchemaNotReady``
+        (with what was found and the command to run) unless the database is at this
+        install's head revision."""
+        return await run_bridged(self.sync.check_schema)
+
     @property
     def is_postgres(self) -> bool:
         return self.sync.is_postgres

@@ -34,6 +34,7 @@ from ..errors import (
     CommitUncertain,
     ConfigurationError,
     DatabaseUnavailable,
+    SchemaNotReady,
     StorageError,
 )
 from ..forks import reset_in_child
@@ -284,14 +285,22 @@ def _is_retryable(err: exc.DBAPIError) -> bool:
 
 def _missing_schema(err: exc.SQLAlchemyError) -> bool:
     orig = getattr(err, "orig", None)
-    if getattr(orig, "sqlstate", None) == "42P01":  # undefined_table
+    if getattr(orig, "sqlstate", None) in ("42P01", "42703"):  # undefined table, column
         return True
-    return isinstance(orig, sqlite3.OperationalError) and "no such table" in str(orig)
+    text = str(orig)
+    return isinstance(orig, sqlite3.OperationalError) and (
+        "no such table" in text or "no such column" in text
+    )
 
 
 def map_db_error(err: exc.SQLAlchemyError) -> StorageError:
     if _missing_schema(err):
-        return StorageError("the database has no payorch schema: run `payorch db upgrade`")
+        # The statement named a table this database lacks: the schema was never migrated
+        # (or is older than this install). The database's own words name the table.
+        return SchemaNotReady(
+            f"payorch's tables are missing or out of date ({_first_line(err)}): "
+            "run `payorch db upgrade` against this database"
+        )
     orig = getattr(err, "orig", None)
     if getattr(orig, "sqlstate", None) == "25006":  # read_only_sql_transaction
         return sessions.read_only_error(orig or err)
@@ -302,6 +311,11 @@ def map_db_error(err: exc.SQLAlchemyError) -> StorageError:
     if isinstance(err, exc.TimeoutError):
         return DatabaseUnavailable(f"no database connection available: {err}")
     return StorageError(f"database error: {getattr(err, 'orig', err)}")
+
+
+def _first_line(err: exc.SQLAlchemyError) -> str:
+    lines = str(getattr(err, "orig", None) or err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 def _commit_refused(err: exc.SQLAlchemyError) -> bool:

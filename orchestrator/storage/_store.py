@@ -44,6 +44,7 @@ from ._outbox import OutboxHooks, stage_settled, staging
 from ._pooling import listen_dsn
 from ._reads import Reads
 from ._replays import Replays
+from ._schema import SchemaCheck
 from ._statements import (
     PG_CLAIMED,
     PG_EXISTING,
@@ -65,7 +66,7 @@ _PG_CLAIM_ATTEMPTS = 3  # then the general transaction decides
 _TAKE_OVER_ATTEMPTS = 3  # racing requests for one released operation: then "in progress"
 
 
-class Store(Reads, Replays, WorkQueue):
+class Store(Reads, Replays, WorkQueue, SchemaCheck):
     """Operations and their events on PostgreSQL or SQLite."""
 
     def __init__(
@@ -593,8 +594,6 @@ class Store(Reads, Replays, WorkQueue):
         """Wait up to ``wait`` for ``record`` to leave ``in_progress``; return it as it is then
         (PostgreSQL waiters sleep on LISTEN/NOTIFY; SQLite waiters poll with backoff)."""
         return wait_until_settled(self, record, wait)
-
-    # -- helpers ----------------------------------------------------------------------
 
     def _insert(self, table: sa.Table) -> Any:
         return postgresql.insert(table) if self.is_postgres else sqlite.insert(table)

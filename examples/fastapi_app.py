@@ -2,14 +2,20 @@
 
 Run it (SQLite by default, or set PAYORCH_DATABASE_URL; `pip install 'payorch[fastapi]'`):
 
-    payorch sandbox serve &                       # prints its webhook secret
-    export PAYORCH_SANDBOX_WEBHOOK_SECRET=whsec_...
+    export PAYORCH_SANDBOX_WEBHOOK_SECRET=whsec_c2FuZGJveC1yZWNpcGUtc2VjcmV0LTEyMzQ1Ng==
+    payorch sandbox serve --webhook-url 'http://127.0.0.1:8000/webhooks/{tenant}/sandbox' &
     payorch db upgrade
     uvicorn fastapi_app:app --app-dir examples --port 8000
     curl -i localhost:8000/payments -H 'X-Tenant-Id: shop-1' -H 'Idempotency-Key: "order-1"' \
          -H 'Content-Type: application/json' -d '{"amount": 1999, "currency": "EUR"}'
 
-Unknown outcomes (a 202) are settled by a signed webhook or by `payorch reconcile run`.
+An unknown outcome (a 202 with a Location to poll) is settled by evidence: the sandbox's
+signed webhook, which it posts to this app's `POST /webhooks/{tenant}/sandbox` when started
+with `--webhook-url` as above (signed with the secret both read from
+PAYORCH_SANDBOX_WEBHOOK_SECRET), or, without a webhook target, `payorch reconcile once` /
+`payorch reconcile run` asking the sandbox. To make one: add `--fault-next timeout
+--webhook-delay 30s` to the sandbox (docs/sandbox.md, "testing your service's
+unknown-outcome handling").
 """
 
 from typing import Annotated

@@ -18,6 +18,9 @@ Decisions worth knowing:
   ``payorch effects unexplained`` reads. Without those parameters it lists everything.
 - GETs honour the ``X-Sandbox-Fault`` header too (``decline`` and ``pending`` are ignored
   there); the queue and the rates only apply to POST /v1/operations.
+- The base latency (fixed plus jitter) delays every API request before anything else, the
+  header's fault included; the control routes (:mod:`payorch.providers.sandbox._admin`) and
+  ``GET /v1/ledger`` (what tests count) answer at once.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from ._admin import handle_admin, is_admin
 from ._faults import AFTER_COMMIT, BEFORE_COMMIT, WIRE_FAULTS, Fault, FaultPlan, parse_fault
 from ._ledger import Claim, Clock, EffectStatus, IdempotencyStore, Ledger, VoidResult
 from ._webhooks import Outbox
@@ -165,6 +169,12 @@ class Acquirer:
         """Answer one request; ``headers`` have lower-case names."""
         parts = urlsplit(target)
         path = parts.path.rstrip("/")
+        if is_admin(path):
+            return _json(*handle_admin(self, method, path, body))
+        # GET /v1/ledger is the tests' view of the truth, not the acquirer's API: no delay.
+        delay = self.faults.request_delay() if path != "/v1/ledger" else 0.0
+        if delay and self._stop.wait(delay):  # stop() ends the wait: nothing was done
+            return error_reply(503, "api_error", "shutting_down")
         forced: Fault | None = None
         fault_header = headers.get("x-sandbox-fault")
         if fault_header is not None:

@@ -3,6 +3,8 @@
 A fault comes from the ``X-Sandbox-Fault`` header, else from the queue filled by
 :meth:`FaultPlan.inject`, else from seeded per-fault rates. The rates draw from one
 ``random.Random(seed)`` under a lock, so a sequential run is reproducible from its seed.
+The plan also holds the base latency every request gets (fixed plus jitter), drawn from a
+second seeded stream. docs/sandbox.md describes each fault as a client sees it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,15 @@ import threading
 from collections import deque
 from collections.abc import Mapping
 
-__all__ = ["AFTER_COMMIT", "BEFORE_COMMIT", "WIRE_FAULTS", "Fault", "FaultPlan", "parse_fault"]
+__all__ = [
+    "AFTER_COMMIT",
+    "ALIASES",
+    "BEFORE_COMMIT",
+    "WIRE_FAULTS",
+    "Fault",
+    "FaultPlan",
+    "parse_fault",
+]
 
 LATENCY_RANGE = (0.05, 0.30)  # seconds
 FAULT_LOG_LIMIT = 10_000  # entries kept by FaultPlan.log()
@@ -44,12 +54,20 @@ AFTER_COMMIT = frozenset(
 WIRE_FAULTS = frozenset({Fault.DROP_AFTER, Fault.RESET_AFTER, Fault.TRICKLE})
 
 
+# Other names a tester reaches for first: a "timeout" is an answer that never comes.
+ALIASES = {"timeout": Fault.DROP_AFTER}
+
+
 def parse_fault(value: str) -> Fault:
-    """The fault named ``value`` (case and surrounding blanks ignored); ValueError if unknown."""
+    """The fault named ``value`` (case and surrounding blanks ignored; the names in
+    ``ALIASES`` too); ValueError if unknown."""
+    name = value.strip().lower()
+    if name in ALIASES:
+        return ALIASES[name]
     try:
-        return Fault(value.strip().lower())
+        return Fault(name)
     except ValueError:
-        known = ", ".join(f.value for f in Fault)
+        known = ", ".join([*(f.value for f in Fault), *ALIASES])
         raise ValueError(f"unknown fault {value!r}; known: {known}") from None
 
 
@@ -71,8 +89,20 @@ def _validated_rates(rates: Mapping[str, float] | None) -> tuple[tuple[Fault, fl
 class FaultPlan:
     """Decides the fault of each POST: header > injected queue > seeded rates."""
 
-    def __init__(self, rates: Mapping[str, float] | None = None, *, seed: int = 0) -> None:
+    def __init__(
+        self,
+        rates: Mapping[str, float] | None = None,
+        *,
+        seed: int = 0,
+        latency: float = 0.0,
+        jitter: float = 0.0,
+    ) -> None:
+        for name, value in (("latency", latency), ("jitter", jitter)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite, non-negative number of seconds")
         self._rates = _validated_rates(rates)
+        self._latency = float(latency)
+        self._jitter = float(jitter)
         self._lock = threading.Lock()
         # Not for security: a seeded stream is the point (reproducible fault runs).
         self._rng = random.Random(seed)  # noqa: S311
@@ -88,6 +118,22 @@ class FaultPlan:
             raise ValueError("times must be at least 1")
         with self._lock:
             self._queue.extend([parsed] * times)
+
+    def rates(self) -> dict[Fault, float]:
+        """The per-fault rates in force (faults with a zero rate left out)."""
+        return dict(self._rates)
+
+    @property
+    def base_latency(self) -> tuple[float, float]:
+        """(fixed, jitter) seconds every request waits before it is handled."""
+        return self._latency, self._jitter
+
+    def request_delay(self) -> float:
+        """The base delay of one request: the fixed latency plus a uniform jitter draw."""
+        if not self._jitter:
+            return self._latency  # no draw: the latency faults' stream stays as without
+        with self._lock:
+            return self._latency + self._delay_rng.uniform(0.0, self._jitter)
 
     def queued(self) -> list[Fault]:
         with self._lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import itertools
 import logging
 import math
 import secrets
@@ -19,19 +20,19 @@ import struct
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
 from typing import Any, cast
 from urllib.parse import urlsplit
 
-from standardwebhooks.webhooks import EmptyWebhookSecretError
+from standardwebhooks.webhooks import EmptyWebhookSecretError, Webhook
 
 from ._api import Acquirer, CommitGate, error_reply
 from ._faults import Fault, FaultPlan
 from ._ledger import Clock, EffectStatus
-from ._webhooks import Outbox, WebhookDelivery, generate_secret
+from ._webhooks import TENANT_PLACEHOLDER, Outbox, WebhookDelivery, generate_secret
 
 __all__ = ["SandboxServer", "serve"]
 
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
 REQUEST_LOG_LIMIT = 10_000  # requests kept by SandboxServer.requests()
 SHUTDOWN_GRACE = 2.0  # seconds stop() waits for connection threads
+# How often "processing" effects are settled when nothing reads them: with a webhook target
+# their event must go out on time, not at the next status query.
+SETTLE_TICK = 0.1  # seconds
 
 
 def _is_loopback(host: str) -> bool:
@@ -70,17 +74,27 @@ class SandboxServer:
         status_lag: timedelta = timedelta(0),
         settle_after: timedelta = timedelta(seconds=10),
         webhook_secret: str | None = None,
-        webhook_url: str | None = None,
+        webhook_url: str | Sequence[str] | None = None,
+        webhook_delay: timedelta | float = 0.0,
         fault_rates: Mapping[str, float] | None = None,
         seed: int = 0,
         retry_after: str = "1",
         drop_hold_seconds: float = 30.0,
         trickle_interval: float = 0.05,
+        latency: timedelta | float = 0.0,
+        jitter: timedelta | float = 0.0,
     ) -> None:
+        """``webhook_url``: one or more targets each event is posted to, ``webhook_delay``
+        after it happened; ``{tenant}`` in a target is the effect's tenant. ``latency`` and
+        ``jitter``: every API request waits ``latency`` plus a uniform draw up to ``jitter``
+        (seeded) before it is handled. docs/sandbox.md describes every setting."""
         if not _is_loopback(host):
             raise ValueError(f"the sandbox only listens on loopback, not {host!r}")
-        if webhook_url is not None and not _is_loopback(urlsplit(webhook_url).hostname or ""):
-            raise ValueError("the sandbox only delivers webhooks to loopback URLs")
+        targets = (webhook_url,) if isinstance(webhook_url, str) else tuple(webhook_url or ())
+        for target in targets:
+            filled = target.replace(TENANT_PLACEHOLDER, "t")
+            if not _is_loopback(urlsplit(filled).hostname or ""):
+                raise ValueError(f"the sandbox only delivers webhooks to loopback URLs: {target}")
         if not 0 <= port <= 65535:
             raise ValueError(f"invalid port {port}")
         if not retry_after or any(c in retry_after for c in "\r\n"):
@@ -91,24 +105,46 @@ class SandboxServer:
         self._secret = webhook_secret if webhook_secret is not None else generate_secret()
         clock = Clock()
         try:
-            outbox = Outbox(secret=self._secret, clock=clock, url=webhook_url, stop=self._stop)
+            Webhook(self._secret)
         except (ValueError, EmptyWebhookSecretError) as exc:  # ValueError: not base64
             raise ValueError("webhook_secret must be non-empty base64, optionally whsec_") from exc
+        outbox = Outbox(
+            secret=self._secret,
+            clock=clock,
+            url=targets,
+            stop=self._stop,
+            delay=_seconds(webhook_delay, "webhook_delay"),
+        )
+        # Kept as given, for describe(): what the server was started with.
+        self._settings = {
+            "idempotency window": _seconds(idempotency_window, "idempotency_window"),
+            "status lag": _seconds(status_lag, "status_lag"),
+            "settle after": _seconds(settle_after, "settle_after"),
+            "drop hold": _seconds(drop_hold_seconds, "drop_hold_seconds"),
+            "trickle interval": _seconds(trickle_interval, "trickle_interval"),
+        }
+        self._retry_after = retry_after
         self._acquirer = Acquirer(
             clock=clock,
-            faults=FaultPlan(fault_rates, seed=seed),
+            faults=FaultPlan(
+                fault_rates,
+                seed=seed,
+                latency=_seconds(latency, "latency"),
+                jitter=_seconds(jitter, "jitter"),
+            ),
             outbox=outbox,
-            window=_seconds(idempotency_window, "idempotency_window"),
-            lag=_seconds(status_lag, "status_lag"),
-            settle_after=_seconds(settle_after, "settle_after"),
+            window=self._settings["idempotency window"],
+            lag=self._settings["status lag"],
+            settle_after=self._settings["settle after"],
             retry_after=retry_after,
-            drop_hold=_seconds(drop_hold_seconds, "drop_hold_seconds"),
+            drop_hold=self._settings["drop hold"],
             stop=self._stop,
-            trickle_interval=_seconds(trickle_interval, "trickle_interval"),
+            trickle_interval=self._settings["trickle interval"],
         )
         self._state = threading.Lock()
         self._httpd: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._settler: threading.Thread | None = None
 
     # -- life cycle ------------------------------------------------------------------------
 
@@ -132,6 +168,15 @@ class SandboxServer:
             )
             self._thread.start()
             self._acquirer.outbox.start()
+            if self._acquirer.outbox.urls:
+                self._settler = threading.Thread(
+                    target=self._settle_loop, name="sandbox-settle", daemon=True
+                )
+                self._settler.start()
+
+    def _settle_loop(self) -> None:
+        while not self._stop.wait(SETTLE_TICK):  # bounded by stop()
+            self._acquirer.ledger.settle_due()
 
     def stop(self) -> None:
         """Stop serving and close every connection, held ones included; idempotent."""
@@ -147,6 +192,8 @@ class SandboxServer:
         httpd.server_close()
         if thread is not None:
             thread.join(SHUTDOWN_GRACE)
+        if self._settler is not None:
+            self._settler.join(SHUTDOWN_GRACE)
         self._acquirer.outbox.stop(SHUTDOWN_GRACE)
 
     @property
@@ -180,6 +227,25 @@ class SandboxServer:
     def inject(self, fault: Fault | str, times: int = 1) -> None:
         """Queue ``fault`` for the next ``times`` POST /v1/operations requests."""
         self._acquirer.faults.inject(fault, times)
+
+    def queued_faults(self) -> list[Fault]:
+        """The one-shot faults still waiting for a POST, next first."""
+        return self._acquirer.faults.queued()
+
+    def fault_rates(self) -> dict[Fault, float]:
+        return self._acquirer.faults.rates()
+
+    def flush_webhooks(self) -> int:
+        """Post every event made so far now, delay or not; how many were waiting."""
+        return self._acquirer.outbox.flush()
+
+    def webhook_stats(self) -> dict[str, int]:
+        """Events made, posts accepted and failed, events waiting to be posted."""
+        return self._acquirer.outbox.stats()
+
+    def describe(self) -> list[str]:
+        """What the server listens on and does, one line each (what ``serve`` prints)."""
+        return _describe(self, self._acquirer, self._settings, self._retry_after)
 
     def fault_log(self) -> list[Fault | None]:
         """The fault each POST /v1/operations got (None: none), in arrival order."""
@@ -398,12 +464,58 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(length)
 
 
-def _announce(sandbox: SandboxServer) -> None:
-    sys.stderr.write(
-        f"sandbox acquirer listening on {sandbox.url}\n"
-        f"webhook secret: {sandbox.webhook_secret}\n"
-        "press Ctrl-C to stop\n"
+def _span(seconds: float) -> str:
+    """A duration as the CLI takes it: 0s, 250ms, 1.5s, 10s, 2m, 24h."""
+    if seconds == 0:
+        return "0s"
+    for unit, size in (("h", 3600.0), ("m", 60.0), ("s", 1.0)):
+        if seconds >= size and (seconds / size).is_integer():
+            return f"{int(seconds / size)}{unit}"
+    if seconds < 1 and (seconds * 1000).is_integer():
+        return f"{int(seconds * 1000)}ms"
+    return f"{seconds:g}s"
+
+
+def _describe(
+    sandbox: SandboxServer,
+    acquirer: Acquirer,
+    settings: Mapping[str, float],
+    retry_after: str,
+) -> list[str]:
+    plan = acquirer.faults
+    rates = ", ".join(f"{f.value}={r:g}" for f, r in plan.rates().items())
+    queued = plan.queued()
+    # In the order they will apply: runs of one fault as "kind xN".
+    nexts = ", ".join(f"{f.value} x{len(list(run))}" for f, run in itertools.groupby(queued))
+    fixed, jitter = plan.base_latency
+    outbox = acquirer.outbox
+    if outbox.urls:
+        after = f" {_span(outbox.delay)} after each event" if outbox.delay else " at once"
+        hooks = f"posted{after} to {', '.join(outbox.urls)}"
+    else:
+        hooks = "kept, not posted (no --webhook-url)"
+    latency = (
+        "none"
+        if not (fixed or jitter)
+        else _span(fixed) + (f" + up to {_span(jitter)} jitter" if jitter else "")
     )
+    timing = ", ".join(f"{name} {_span(value)}" for name, value in settings.items())
+    return [
+        f"sandbox acquirer listening on {sandbox.url}",
+        f"webhook secret: {sandbox.webhook_secret}",
+        f"webhooks: {hooks}",
+        f"fault rates: {rates or 'none'}",
+        f"next faults: {nexts or 'none'}",
+        f"latency: {latency}",
+        f"{timing}, retry-after {retry_after}s",
+        "press Ctrl-C to stop",
+    ]
+
+
+def _announce(sandbox: SandboxServer) -> None:
+    # Standard output, flushed: a script (or a test) waits for the first line to know the URL.
+    sys.stdout.write("".join(f"{line}\n" for line in sandbox.describe()))
+    sys.stdout.flush()
 
 
 def serve(

@@ -1,4 +1,10 @@
-"""Signed webhook events of the sandbox (Standard Webhooks scheme) and their delivery."""
+"""Signed webhook events of the sandbox (Standard Webhooks scheme) and their delivery.
+
+Every event is kept (``deliveries()``); with target URLs set, one thread posts each event
+to each target, ``delay`` seconds after it happened (an acquirer's notifications lag its
+answers), retrying a few times. A target may name the tenant, ``{tenant}``, filled in from
+the effect's ``payorch_tenant_id`` tag: payorch's webhook routes are per tenant.
+"""
 
 from __future__ import annotations
 
@@ -8,22 +14,51 @@ import logging
 import queue
 import secrets
 import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import quote, urlsplit
 
 import httpx
 from standardwebhooks.webhooks import Webhook
 
+from ...provider import TAG_TENANT
 from ._ledger import Clock
 
-__all__ = ["Outbox", "WebhookDelivery", "generate_secret"]
+__all__ = ["TENANT_PLACEHOLDER", "Outbox", "WebhookDelivery", "generate_secret", "target_url"]
 
 log = logging.getLogger(__name__)
 
 DELIVERY_ATTEMPTS = 3
 DELIVERY_TIMEOUT = httpx.Timeout(connect=1.0, read=2.0, write=2.0, pool=1.0)
 RETRY_BASE_DELAY = 0.05  # seconds, doubled per attempt
+TENANT_PLACEHOLDER = "{tenant}"
+# What a pre-namespace request carried instead of the payorch_tenant_id tag.
+_LEGACY_TENANT = "tenant_id"
+
+
+def check_target(url: str) -> None:
+    """ValueError unless ``url`` is an http(s) URL, with ``{tenant}`` its only placeholder."""
+    filled = url.replace(TENANT_PLACEHOLDER, "t")
+    if "{" in filled or "}" in filled:
+        raise ValueError(f"webhook URL {url!r}: the only placeholder is {TENANT_PLACEHOLDER}")
+    parts = urlsplit(filled)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"webhook URL {url!r} is not http(s)://host[:port]/path")
+
+
+def target_url(template: str, effect: dict[str, Any]) -> str | None:
+    """``template`` with ``{tenant}`` filled from the effect's tags; None without a tenant."""
+    if TENANT_PLACEHOLDER not in template:
+        return template
+    metadata = effect.get("metadata")
+    tags = metadata if isinstance(metadata, dict) else {}
+    tenant = tags.get(TAG_TENANT) or tags.get(_LEGACY_TENANT)
+    if not isinstance(tenant, str) or not tenant:
+        return None
+    return template.replace(TENANT_PLACEHOLDER, quote(tenant, safe=""))
 
 
 def generate_secret() -> str:
@@ -38,22 +73,81 @@ class WebhookDelivery:
     event_type: str
 
 
+@dataclass(frozen=True)
+class _Queued:
+    delivery: WebhookDelivery
+    effect: dict[str, Any]
+    due: float  # time.monotonic() when it may be posted
+    seq: int  # emission order, for flush()
+
+
 class Outbox:
-    """Builds, signs and keeps every event; posts them to ``url`` from one thread if set."""
+    """Builds, signs and keeps every event; posts them to ``urls`` from one thread if set."""
 
     def __init__(
-        self, *, secret: str, clock: Clock, url: str | None, stop: threading.Event
+        self,
+        *,
+        secret: str,
+        clock: Clock,
+        url: str | Sequence[str] | None,
+        stop: threading.Event,
+        delay: float = 0.0,
     ) -> None:
         self._signer = Webhook(secret)  # fails early on a secret that is not base64
         self._clock = clock
-        self._url = url
+        self._urls: tuple[str, ...] = (url,) if isinstance(url, str) else tuple(url or ())
+        for target in self._urls:
+            check_target(target)
+        self._delay = delay
         self._stop = stop
         self._lock = threading.Lock()
+        # Wakes the sender when it waits out a delay: flush() or stop().
+        self._wake = threading.Condition(self._lock)
+        self._flushed = 0  # events up to this seq are due now
         self._deliveries: list[WebhookDelivery] = []
-        self._queue: queue.SimpleQueue[WebhookDelivery | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Queued | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self.sent = 0
-        self.failed = 0
+        self._waiting = 0
+        self._sent = 0
+        self._failed = 0
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return self._urls
+
+    @property
+    def delay(self) -> float:
+        return self._delay
+
+    @property
+    def sent(self) -> int:
+        """Posts a target accepted (2xx)."""
+        with self._lock:
+            return self._sent
+
+    @property
+    def failed(self) -> int:
+        """Posts that failed every attempt, or had no tenant for a ``{tenant}`` target."""
+        with self._lock:
+            return self._failed
+
+    def stats(self) -> dict[str, int]:
+        """Events made, posts accepted and failed, and events still waiting to be posted."""
+        with self._lock:
+            return {
+                "events": len(self._deliveries),
+                "sent": self._sent,
+                "failed": self._failed,
+                "waiting": self._waiting,
+            }
+
+    def flush(self) -> int:
+        """Make every event emitted so far due now (their delay is cut short); how many
+        were still waiting."""
+        with self._lock:
+            self._flushed = len(self._deliveries)
+            self._wake.notify_all()
+            return self._waiting
 
     def emit(self, effect: dict[str, Any]) -> WebhookDelivery:
         event_id = f"evt_{secrets.token_hex(12)}"
@@ -80,8 +174,10 @@ class Outbox:
         )
         with self._lock:
             self._deliveries.append(delivery)
-        if self._url is not None:
-            self._queue.put(delivery)
+            if self._urls:
+                self._waiting += 1
+                due = time.monotonic() + self._delay
+                self._queue.put(_Queued(delivery, effect, due, len(self._deliveries)))
         return delivery
 
     def deliveries(self) -> list[WebhookDelivery]:
@@ -89,30 +185,50 @@ class Outbox:
             return list(self._deliveries)
 
     def start(self) -> None:
-        if self._url is None or self._thread is not None:
+        if not self._urls or self._thread is not None:
             return
-        self._thread = threading.Thread(
-            target=self._run, args=(self._url,), name="sandbox-webhooks", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="sandbox-webhooks", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float) -> None:
         if self._thread is None:
             return
         self._queue.put(None)  # wakes the sender; it drops what is left once stop is set
+        with self._lock:
+            self._wake.notify_all()  # ends a delay being waited out
         self._thread.join(timeout)
         self._thread = None
 
-    def _run(self, url: str) -> None:
+    def _run(self) -> None:
         with httpx.Client(timeout=DELIVERY_TIMEOUT) as client:
             while True:
                 item = self._queue.get()
-                if item is None or self._stop.is_set():
+                if item is None or not self._wait_until_due(item):
                     return
-                if self._deliver(client, url, item):
-                    self.sent += 1
-                else:
-                    self.failed += 1
+                for template in self._urls:
+                    url = target_url(template, item.effect)
+                    if url is None:
+                        log.warning(
+                            "webhook %s: no tenant for %s", item.delivery.event_id, template
+                        )
+                    ok = url is not None and self._deliver(client, url, item.delivery)
+                    with self._lock:
+                        if ok:
+                            self._sent += 1
+                        else:
+                            self._failed += 1
+                with self._lock:
+                    self._waiting -= 1
+
+    def _wait_until_due(self, item: _Queued) -> bool:
+        """Wait out ``item``'s delay (flush() cuts it short); False once stopping."""
+        with self._lock:
+            while not self._stop.is_set() and item.seq > self._flushed:
+                left = item.due - time.monotonic()
+                if left <= 0:
+                    break
+                self._wake.wait(left)
+            return not self._stop.is_set()
 
     def _deliver(self, client: httpx.Client, url: str, delivery: WebhookDelivery) -> bool:
         for attempt in range(DELIVERY_ATTEMPTS):

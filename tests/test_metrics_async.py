@@ -235,6 +235,40 @@ def test_a_hung_read_answers_database_up_0_and_is_cancelled() -> None:
     assert source.reads == 2 and source.cancelled == 2
 
 
+def _collected(gauges: _metrics.StoreGauges) -> dict[str, float]:
+    """What the collector reports now: gauge name -> value (unlabelled samples only)."""
+    return {s.name: s.value for f in gauges.collect() for s in f.samples if not s.labels}
+
+
+def test_a_refresh_after_a_time_out_reads_afresh_and_overlapping_ones_share() -> None:
+    async def scenario() -> list[tuple[int, int, dict[str, float]]]:
+        source = GatedSource()  # hung until the test lets it go
+        gauges = _metrics.StoreGauges(source, timeout=0.01)
+        seen = []
+        for _ in range(2):  # back to back, no scrape in between
+            await gauges.refresh()
+            seen.append((source.reads, source.cancelled, _collected(gauges)))
+        # Two scrapes at once share one read, which times out for both.
+        await asyncio.gather(gauges.refresh(), gauges.refresh())
+        seen.append((source.reads, source.cancelled, _collected(gauges)))
+        source.go.set()  # the database answers again
+        await gauges.refresh()
+        seen.append((source.reads, source.cancelled, _collected(gauges)))
+        return seen
+
+    first, second, shared, recovered = asyncio.run(scenario())
+    # Each refresh that timed out returned with its read cancelled, not still in flight,
+    # so the next one made a read of its own.
+    assert first == (1, 1, {"payorch_database_up": 0.0})
+    assert second == (2, 2, {"payorch_database_up": 0.0})
+    assert shared == (3, 3, {"payorch_database_up": 0.0})
+    reads, cancelled, values = recovered
+    assert (reads, cancelled) == (4, 3)
+    assert values["payorch_database_up"] == 1.0
+    assert values["payorch_due_operations"] == 2.0
+    assert values["payorch_oldest_unknown_age_seconds"] == 60.0
+
+
 def test_watch_refuses_what_is_no_store() -> None:
     with pytest.raises(ConfigurationError, match="needs a Store or an AsyncStore, not object"):
         metrics.watch(object())  # type: ignore[arg-type]

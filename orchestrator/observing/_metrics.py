@@ -387,22 +387,23 @@ class StoreGauges(Collector):
         self._reading: asyncio.Task[dict[str, Any]] | None = None
 
     async def refresh(self) -> None:
-        """Read an async source now, at most ``timeout``; scrapes that overlap share the
-        read in flight, so a slow database never has more than one (a sync source: nothing
-        to do, :meth:`collect` reads it)."""
+        """Read an async source now, at most ``timeout``; overlapping scrapes share the read
+        in flight (a slow database never has more than one), a refresh after a time-out
+        starts a fresh one (a sync source: nothing to do, :meth:`collect` reads it)."""
         if not self.is_async:
             return
         loop = asyncio.get_running_loop()
         task = self._reading
         if task is None or task.done() or task.get_loop() is not loop:
             read = cast(AsyncGaugeSource, self.store).read_gauges()
-            # Bounded itself (cancelled at the time-out), so it never outlives a scrape.
+            # The one deadline: the task ends only once its timed-out read is cancelled.
             task = loop.create_task(asyncio.wait_for(read, self.timeout))
             task.add_done_callback(_retrieved)  # a failure is a 0, never a loop warning
             self._reading = task
         try:
-            # shield: one scrape's time-out does not cancel the read another one awaits
-            self._last = await asyncio.wait_for(asyncio.shield(task), self.timeout)
+            # No second timer (it would fire first and leave the read running); shield: a
+            # scrape cancelled by its client does not cancel the read another one awaits.
+            self._last = await asyncio.shield(task)
         except Exception:  # noqa: BLE001 - time-out or database error: payorch_database_up 0
             self._last = None
 

@@ -266,8 +266,8 @@ class Registry:
         fp = fingerprint(effect)
         hidden = op_type.sensitive_fields
         # A sensitive value copied into another field (a description, metadata) goes too,
-        # by the rule of payorch.records: a number or a short text only under a key that
-        # names a sensitive field. A sensitive field left null stays null: nothing is hidden,
+        # by the rule of payorch.records (short values only under a sensitive name). A
+        # sensitive field left null stays null: nothing is hidden,
         # and the stored copy is still the request as sent (so it may be sent again).
         redactor = Redactor.for_request(hidden, [data.get(name) for name in hidden])
         stored = dict(redactor.json(data))

@@ -2,30 +2,37 @@
 and the one redaction every stored copy of provider text goes through.
 
 **Redaction** (:class:`Redactor`): a sensitive request value is stored nowhere, even where a
-provider echoes it, and nothing else is garbled on its account.
-
-One function decides what every stored copy of provider text looks like (the stored
-request, the stored response, event details via :meth:`Redactor.answer`, webhook inbox
-bodies): a :class:`Redactor` built from an operation's request. What it replaces with
+provider echoes it, and nothing else is garbled on its account. One function decides what
+every stored copy of provider text looks like (the stored request, the stored response, event
+details via :meth:`Redactor.answer`, webhook inbox bodies): a :class:`Redactor` built from an
+operation's request. The sensitive *names* are the sensitive fields' and, where one holds an
+object or a list (a ``card`` with ``number``, ``cvc``, ``exp_month``), every key inside it; the
+sensitive *values*, every text and number inside a sensitive field. It replaces with
 ``[redacted]``:
 
-- Under a sensitive name (a sensitive field's, at any depth), the whole value, whatever it
-  is, unless it is null.
-- A sensitive text of four characters or more (a number's digits count as its text), as a
-  whole string anywhere (values and keys) and inside any longer string (a message quoting a
-  card number, a truncated raw body, which also loses a trailing partial value).
-- A shorter sensitive text, or a sensitive number (int or float), only where its whole
-  value is equal *and* the key it sits under names a sensitive field: that field's name, or
-  a key holding its words in order (``card_exp_month``, ``expMonth`` for ``exp_month``).
-  Elsewhere it stays: an expiry month of 12 leaves an ``amount`` of 12, a ``"12"`` in
-  metadata and the 12 in "12 items" as they are. Booleans and nulls always stay.
+- Under a sensitive name, at any depth, the whole value, whatever it is, unless it is null.
+- A sensitive text of three characters or more (a CVC), or number of four digits or more
+  (a card number as a JSON number; its text counts too), wherever a whole value (string,
+  key or number) equals it; from four characters also inside any longer string (a message
+  quoting a card number, a truncated raw body, which also loses a trailing partial value).
+- A text of one or two characters, or a number of fewer than four digits (an expiry month
+  of 12), only where its whole value is equal *and* its key names a sensitive field: a
+  sensitive name, or one's words in order (``card_exp_month``, ``expMonth`` for ``exp_month``).
+  An expiry month of 12 leaves an ``amount`` of 12, a ``"12"`` quantity and "12 items" alone.
+  A boolean is never a sensitive value (only under a sensitive name does it go).
 
-While the full request is in hand (``execute()``), the sensitive names and values are known.
-Afterwards (status queries, webhooks) only the stored request is left, in which the values
-are already ``[redacted]``: the *names* under which they sat are known, so a value under such
-a key, anywhere in a provider body, becomes ``[redacted]``. Providers echo fields under the
-names they were sent with (``metadata[note]`` comes back as ``metadata.note``), so the echo
-is caught without keeping the value.
+Limits, by that rule: a short value under a key naming no sensitive field (``{"m": 12}``)
+stays, and so does a three-character text inside a longer one ("737 g"). An equal value that
+is not the secret goes too: a sensitive object's ``"EUR"`` hides the currency, its ``type``
+key every ``type`` in the operation's stored provider text.
+
+While the full request is in hand (``execute()``, its retries, a take-over), all of that is
+known. Afterwards (status queries, webhooks) only the stored request is left, which holds a
+sensitive field as one ``[redacted]``: only the names it sits under are known, so a value under
+such a key, anywhere in a provider body, becomes ``[redacted]``. Providers echo fields under
+the names they were sent with (``metadata[note]`` comes back as ``metadata.note``), so such an
+echo is still caught; one under a name the stored copy does not show (``pan``, a card's ``cvc``
+as ``source.cvc``) is not: neither the values nor a hidden object's names are.
 
 A stored request that holds ``[redacted]`` anywhere (:meth:`Redactor.redacted_at`) is not
 the request that was sent, so it is never sent again: re-sending it would hand the provider
@@ -348,11 +355,12 @@ class ClaimResult:
 # -- redaction ------------------------------------------------------------------------------
 
 REDACTED = "[redacted]"
-# A sensitive text at least this long is matched anywhere: as a whole string (a value or a
-# key) and inside a longer one (a message quoting a card number). A shorter one (a CVC, an
-# expiry month as text) and every number match only where a key names a sensitive field:
-# an amount of 12, or a "12" in a description, says nothing about an expiry month of 12.
+# Sensitive texts from _MIN_WHOLE characters match as a whole value anywhere (a CVC echoed
+# under another name), from _MIN_TEXT inside longer text too; shorter texts and numbers under
+# _MIN_DIGITS digits only under a sensitive name (an amount of 12 is no expiry month).
 _MIN_TEXT = 4
+_MIN_WHOLE = 3
+_MIN_DIGITS = 4
 _WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
 
@@ -360,23 +368,26 @@ _WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 class Redactor:
     """Replaces sensitive values (and values under sensitive names) with ``[redacted]``.
 
-    ``keys``: the sensitive names (a value under one goes, whatever it is); ``values``: the
-    sensitive values as text (a number's too); ``numbers``: the sensitive numbers.
+    ``keys``: the sensitive names (a value under one goes, whatever it is); ``values`` and
+    ``numbers``: the sensitive texts (three characters or more, a long number's text) and
+    numbers (four digits or more) hidden anywhere; ``short_texts`` and ``short_numbers``:
+    the others, hidden only under a key that names a sensitive field.
     """
 
     keys: frozenset[str] = frozenset()
     values: frozenset[str] = frozenset()
     numbers: frozenset[int | float] = frozenset()
+    short_texts: frozenset[str] = frozenset()
+    short_numbers: frozenset[int | float] = frozenset()
 
     @classmethod
     def for_request(cls, names: Iterable[str], sensitive: Any) -> Redactor:
         """From the sensitive field ``names`` and their values (``sensitive``: the values,
-        any JSON), before anything is stored."""
-        values: set[str] = set()
-        numbers: set[int | float] = set()
-        for leaf in _leaves(sensitive):
-            _add(leaf, values, numbers)
-        return cls(keys=frozenset(names), values=frozenset(values), numbers=frozenset(numbers))
+        any JSON), before anything is stored. The keys inside an object or list among the
+        values are sensitive names too."""
+        found = _Found(keys=set(names))
+        found.hidden(sensitive)
+        return found.redactor()
 
     @classmethod
     def of(
@@ -385,18 +396,16 @@ class Redactor:
         """From an operation's stored (redacted) request and, when in hand, its full request.
 
         Every place the stored request says ``[redacted]`` names a key; the full request's
-        value at that place (when given) is a sensitive value.
+        value at that place (when given) is a sensitive value, and the keys inside it (an
+        object or a list) are sensitive names.
         """
-        keys: set[str] = set()
-        values: set[str] = set()
-        numbers: set[int | float] = set()
+        found = _Found(keys=set())
 
         def walk(kept: Any, full: Any, key: str | None) -> None:
             if isinstance(kept, str) and kept == REDACTED:
                 if key is not None:
-                    keys.add(key)
-                for leaf in _leaves(full):
-                    _add(leaf, values, numbers)
+                    found.keys.add(key)
+                found.hidden(full)
             elif isinstance(kept, Mapping):
                 for k, v in kept.items():
                     walk(v, full.get(k) if isinstance(full, Mapping) else None, str(k))
@@ -407,7 +416,7 @@ class Redactor:
                     walk(v, inner, key)
 
         walk(stored or {}, payload, None)
-        return cls(keys=frozenset(keys), values=frozenset(values), numbers=frozenset(numbers))
+        return found.redactor()
 
     @staticmethod
     def redacted_at(stored: Mapping[str, Any] | None) -> str | None:
@@ -422,7 +431,9 @@ class Redactor:
         return _placeholder(stored, "")
 
     def __bool__(self) -> bool:
-        return bool(self.keys or self.values or self.numbers)
+        return bool(
+            self.keys or self.values or self.numbers or self.short_texts or self.short_numbers
+        )
 
     @functools.cached_property
     def _named(self) -> tuple[tuple[str, ...], ...]:
@@ -465,19 +476,23 @@ class Redactor:
         if isinstance(value, bool) or value is None:
             return value
         if isinstance(value, str):
-            if len(value) < _MIN_TEXT and value in self.values:
-                return REDACTED if key is not None and self.sensitive_name(key) else value
+            if value in self.short_texts and key is not None and self.sensitive_name(key):
+                return REDACTED
             return self.text(value)
-        if isinstance(value, (int, float)) and value in self.numbers:
-            # A number equal to a sensitive one is the same number only under its name.
-            return REDACTED if key is not None and self.sensitive_name(key) else value
+        if isinstance(value, (int, float)):
+            if value in self.numbers:  # as long as a card number: that number, anywhere
+                return REDACTED
+            # A small number equal to a sensitive one is the same number only under its name.
+            if value in self.short_numbers and key is not None and self.sensitive_name(key):
+                return REDACTED
         return value
 
     def text(self, value: str, *, truncated: bool = False) -> str:
         """``value`` with every sensitive value of ``_MIN_TEXT`` or more characters in it
-        replaced; ``truncated``: the text was cut, so a sensitive value may end it half-way
-        (that prefix goes too). Shorter values are left: out of context they are noise."""
-        if len(value) >= _MIN_TEXT and value in self.values:
+        replaced, or ``[redacted]`` if it is one of three or more; ``truncated``: the text was
+        cut, so a sensitive value may end it half-way (that prefix goes too). Shorter values
+        are left: out of context they are noise."""
+        if value in self.values:
             return REDACTED
         for secret in self.values:
             if len(secret) >= _MIN_TEXT and secret in value:
@@ -541,11 +556,45 @@ def _leaves(value: Any) -> Iterator[Any]:
         yield value
 
 
-def _add(leaf: Any, values: set[str], numbers: set[int | float]) -> None:
-    if isinstance(leaf, str):
-        if leaf and leaf != REDACTED:
-            values.add(leaf)
-    elif isinstance(leaf, (int, float)):
-        numbers.add(leaf)
-        # Echoed as text, e.g. in string-only metadata: matched like any text (by length).
-        values.add(str(leaf) if isinstance(leaf, int) else repr(leaf))
+def _inner_keys(value: Any) -> Iterator[str]:
+    """Every key of every object inside ``value``, at any depth."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            yield str(k)
+            yield from _inner_keys(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _inner_keys(v)
+
+
+@dataclass
+class _Found:
+    """The sensitive names and values gathered while a :class:`Redactor` is built."""
+
+    keys: set[str]
+    values: set[str] = field(default_factory=set)
+    numbers: set[int | float] = field(default_factory=set)
+    short_texts: set[str] = field(default_factory=set)
+    short_numbers: set[int | float] = field(default_factory=set)
+
+    def hidden(self, value: Any) -> None:
+        """``value`` is hidden whole: its keys are sensitive names, its scalars values."""
+        self.keys.update(_inner_keys(value))
+        for leaf in _leaves(value):
+            self.add(leaf)
+
+    def add(self, leaf: Any) -> None:
+        if isinstance(leaf, str) and leaf and leaf != REDACTED:
+            (self.values if len(leaf) >= _MIN_WHOLE else self.short_texts).add(leaf)
+        elif isinstance(leaf, (int, float)):
+            # Echoed as text too, e.g. in string-only metadata.
+            text = str(leaf) if isinstance(leaf, int) else repr(leaf)
+            if sum(c.isdigit() for c in text) >= _MIN_DIGITS:
+                self.numbers.add(leaf)
+                self.values.add(text)
+            else:
+                self.short_numbers.add(leaf)
+                self.short_texts.add(text)
+
+    def redactor(self) -> Redactor:
+        return Redactor(**{name: frozenset(found) for name, found in vars(self).items()})

@@ -143,9 +143,8 @@ def test_redactor_with_the_request_in_hand_finds_values_anywhere() -> None:
     out = redactor.json(body)
     assert out == {
         "id": "pi_1",
-        # The number 90817 under "n" is an amount-like number, not the PIN: only its text
-        # (long enough to mean it) and its name give a PIN away.
-        "metadata": {"copy": REDACTED, REDACTED: "as a key", "n": 90817, "s": REDACTED},
+        # A number of four digits or more is as telling as its text: hidden anywhere.
+        "metadata": {"copy": REDACTED, REDACTED: "as a key", "n": REDACTED, "s": REDACTED},
         "lines": [{"text": f"charged {REDACTED}."}],
         "amount": 500,
     }
@@ -199,8 +198,9 @@ def test_a_small_sensitive_number_is_redacted_only_under_its_name() -> None:
             "card_exp_month": REDACTED,
             "cvc": REDACTED,
         },
-        # A key holding a sensitive name's words (in order) says the value is that field.
-        "metadata": {"cvc_check": REDACTED, "code": "737", "exp_month_hint": [REDACTED, 1]},
+        # A key holding a sensitive name's words (in order) says the value is that field;
+        # a three-character text is hidden wherever a whole string equals it, not inside one.
+        "metadata": {"cvc_check": REDACTED, "code": REDACTED, "exp_month_hint": [REDACTED, 1]},
     }
     answer = Answer(kind=AnswerKind.DECLINED, message="month 12 refused", code="12")
     assert EXPIRING.answer(answer) == answer  # no name in plain text: nothing to match
@@ -254,6 +254,96 @@ def test_the_stored_request_keeps_every_other_12() -> None:
     assert prepared.payload["exp_month"] == 12 and prepared.payload["metadata"]["card"] == CARD
 
 
+PAN = 4242424242424242  # a card number sent as a JSON number
+
+
+def test_a_card_number_sent_as_a_number_is_hidden_anywhere() -> None:
+    """Four digits or more: the number itself, wherever a whole number equals it, and its
+    text as a whole string and inside longer text; never a boolean or a small number."""
+    redactor = Redactor.for_request(("card_number", "exp_month"), [PAN, 12])
+    body = {
+        "card": {"number": PAN, "last4": "4242"},
+        "pan": PAN,
+        "as_float": float(PAN),
+        "metadata": {"ref": PAN, "ref_text": str(PAN), "quantity": "12", "size": 12},
+        "message": f"card {PAN} refused",
+        "amount": 12,
+        "captured": True,
+    }
+    assert redactor.json(body) == {
+        # "4242" is no sensitive value: the card number's text is hidden, not its parts.
+        "card": {"number": REDACTED, "last4": "4242"},
+        "pan": REDACTED,
+        "as_float": REDACTED,
+        "metadata": {"ref": REDACTED, "ref_text": REDACTED, "quantity": "12", "size": 12},
+        "message": f"card {REDACTED} refused",
+        "amount": 12,
+        "captured": True,
+    }
+    # The same from the stored request and the full one (the executor's redactor).
+    stored = {"card_number": REDACTED, "exp_month": REDACTED, "amount": 12}
+    full = {"card_number": PAN, "exp_month": 12, "amount": 12}
+    assert Redactor.of(stored, full).json(body) == redactor.json(body)
+
+
+NESTED_CARD = {"number": CARD, "cvc": "737", "exp_month": 12, "brand": "v"}
+
+
+def test_the_parts_of_a_hidden_object_are_hidden_by_their_own_names() -> None:
+    """A sensitive ``card`` object: its keys become sensitive names, its scalars sensitive
+    values by the same rules as a top-level value."""
+    redactor = Redactor.for_request(("card",), [NESTED_CARD])
+    stored = {"card": REDACTED, "amount": 12}
+    assert Redactor.of(stored, {"card": NESTED_CARD, "amount": 12}) == redactor
+    body = {
+        "source": {"cvc": "737", "exp_month": 12, "number": "tok_1", "brand": None},
+        "checks": [{"cvc_check": "pass"}, {"result": "737"}],
+        "amount": 12,
+        "quantity": "12",
+        "style": "v",  # one character, under no sensitive name
+        "m": 12,  # a limit: a small number under an unrecognised key stays
+        "note": "737 g",
+    }
+    assert redactor.json(body) == {
+        # Under a sensitive name the whole value goes, whatever it is (null stays).
+        "source": {"cvc": REDACTED, "exp_month": REDACTED, "number": REDACTED, "brand": None},
+        "checks": [{"cvc_check": "pass"}, {"result": REDACTED}],
+        "amount": 12,
+        "quantity": "12",
+        "style": "v",
+        "m": 12,
+        "note": "737 g",
+    }
+    # Only the stored copy left (a status query): the names inside it are not known.
+    assert Redactor.of(stored).json(body) == body
+
+
+def test_a_three_character_text_is_hidden_wherever_a_whole_string_equals_it() -> None:
+    redactor = Redactor.for_request(("cvc", "exp_month", "pin"), ["737", "12", 4])
+    body = {
+        "reply": "737",
+        "lines": ["737", "1737", "737 g"],
+        "737": "a key",
+        "amount": 737,  # the number 737 is no CVC text
+        "month": "12",
+        "n": 4,
+    }
+    assert redactor.json(body) == {
+        "reply": REDACTED,
+        "lines": [REDACTED, "1737", "737 g"],
+        REDACTED: "a key",
+        "amount": 737,
+        "month": "12",
+        "n": 4,
+    }
+    small = Redactor.for_request(("cvc",), [737])  # a CVC sent as a number: three digits
+    assert small.json({"amount": 737, "code": "737", "cvc": 737}) == {
+        "amount": 737,
+        "code": "737",
+        "cvc": REDACTED,
+    }
+
+
 SMALL = st.one_of(
     st.integers(-20, 20),
     st.floats(-20, 20, allow_nan=False),
@@ -270,14 +360,15 @@ BODIES = st.recursive(
 
 
 @given(
-    secret=st.integers(1, 12) | st.text(alphabet="0123456789ab", min_size=1, max_size=3),
+    secret=st.integers(-999, 999) | st.text(alphabet="0123456789ab", min_size=1, max_size=2),
     body=BODIES,
 )
 def test_short_sensitive_values_never_garble_a_body_outside_their_names(
     secret: int | str, body: object
 ) -> None:
     """Whatever numbers and short texts a body holds, equal to the secret or not, they stay
-    where no key names a sensitive field."""
+    where no key names a sensitive field: a secret of one or two characters, or a number of
+    fewer than four digits, is looked for only under a sensitive name."""
     redactor = Redactor.for_request(("exp_month",), [secret])
     assert redactor.json(body) == body
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Mapping
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from conftest import FAST_TIMEOUT, LoopThread, age, make_due
+from conftest import FAST_TIMEOUT, LoopThread, RecordingSleep, age, make_due
 from pydantic import BaseModel, Field
 from test_redaction import (
     CARD,
@@ -28,7 +30,7 @@ from payorch.errors import ProviderUnavailable
 from payorch.execution._executor import Executor, RetryPolicy
 from payorch.operations import REDACTED, OperationType, default_registry
 from payorch.operator import recheck
-from payorch.provider import Capability
+from payorch.provider import Answer, Capability, SubmitRequest
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.reconciling._async import AsyncReconciler
 from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
@@ -320,3 +322,165 @@ def test_a_take_over_and_inline_retries_send_the_callers_real_request(
     assert effect["metadata"]["card"] == CARD  # what the provider holds is whole
     text = dump(store)
     assert all(secret not in text for secret in SECRETS)
+
+
+# -- a card number sent as a number, and the parts of a sensitive object ------------------------
+
+PAN = 4242424242424242  # the card number as a JSON number
+CVC = "737"
+
+
+class EchoingProvider(SandboxProvider):
+    """The sandbox, with an answer that echoes the card under names of its own (as a card
+    API's payment-method details do), outside anything payorch sent in metadata."""
+
+    def submit(self, request: SubmitRequest) -> Answer:
+        answer = super().submit(request)
+        sent, echo = request.payload, dict(answer.body or {})
+        if sent.get("card_number") is not None:
+            number = sent["card_number"]
+            echo.update(card={"number": number, "brand": "visa"}, pan=number)
+            answer = replace(answer, message=f"card {number} charged")
+        if isinstance(card := sent.get("card"), dict):
+            echo.update(
+                source={"cvc": card["cvc"], "exp_month": card["exp_month"]},
+                checks={"result": card["cvc"]},
+            )
+        return replace(answer, body=echo)
+
+
+class CardCharge12(BaseModel):
+    amount: int
+    currency: str
+    quantity: str
+    card_number: int | None = None
+    exp_month: int | None = None
+    card: dict[str, Any] | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+NUMBER_CARD = OperationType(
+    name="card.number",
+    model=CardCharge12,
+    effect_fields=("amount", "currency"),
+    sensitive_fields=("card_number", "exp_month"),
+    provider="sandbox",
+)
+OBJECT_CARD = OperationType(
+    name="card.object",
+    model=CardCharge12,
+    effect_fields=("amount", "currency"),
+    sensitive_fields=("card",),
+    provider="sandbox",
+)
+# An amount of 12 and a "12" quantity beside an expiry month of 12; the app copies the card
+# number (a number) or the CVC into metadata.
+NUMBER_REQUEST = {"card_number": PAN, "exp_month": 12, "metadata": {"ref": PAN}}
+OBJECT_REQUEST = {"card": {"number": CARD, "cvc": CVC, "exp_month": 12}, "metadata": {"note": CVC}}
+
+
+def charged(
+    store: Store, sandbox: SandboxServer, op_type: OperationType, request: dict[str, Any]
+) -> tuple[OperationRecord, OperationRecord]:
+    """Two operations: one answered (the echo above), one settled by a status query."""
+    records: list[str] = []
+    with EchoingProvider(
+        base_url=sandbox.url, webhook_secret=sandbox.webhook_secret, timeout=FAST_TIMEOUT
+    ) as provider:
+        registry = default_registry("sandbox")
+        registry.register(op_type)
+        executor = Executor(
+            store=store,
+            providers=[provider],
+            registry=registry,
+            lease=timedelta(seconds=30),
+            owner="test-executor",
+            sleep=RecordingSleep(),
+        )
+        for order in ("o-answered", "o-queried"):
+            if order == "o-queried":
+                sandbox.inject("drop_after")
+            metadata = {**request["metadata"], "order": order, "size": 12, "qty": "12"}
+            outcome = executor.execute(
+                tenant_id="shop",
+                operation=op_type.name,
+                idempotency_key=order,
+                request={
+                    "amount": 12,
+                    "currency": "EUR",
+                    "quantity": "12",
+                    **request,
+                    "metadata": metadata,
+                },
+            )
+            records.append(outcome.operation_id)
+        make_due(store, records[1])
+        outcomes = reconciler(store, provider).reconcile_once().outcomes
+    assert outcomes == Counter({"succeeded": 1})
+    # The provider got the whole request, each once, and made one effect each.
+    sent = submissions(sandbox)
+    assert len(sent) == 2 and placeholders_sent(sandbox) == 0
+    assert all(b[k] == v for b in sent for k, v in request.items() if k != "metadata")
+    assert len(sandbox.ledger()) == 2
+    answered, queried = (store.get("shop", op) for op in records)
+    assert answered.state is queried.state is State.SUCCEEDED
+    return answered, queried
+
+
+def kept_12s(stored: Mapping[str, Any] | None) -> None:
+    """What has nothing to do with the card: as it was."""
+    assert stored is not None and stored["amount"] == 12
+    assert stored["metadata"]["size"] == 12 and stored["metadata"]["qty"] == "12"
+
+
+def test_a_card_number_sent_as_a_number_is_stored_nowhere(
+    store: Store, sandbox: SandboxServer
+) -> None:
+    answered, queried = charged(store, sandbox, NUMBER_CARD, NUMBER_REQUEST)
+    request = answered.request
+    kept_12s(request)
+    assert request is not None and request["quantity"] == "12"
+    assert request["card_number"] == request["exp_month"] == request["metadata"]["ref"] == REDACTED
+    assert answered.response is not None
+    (evidence,) = [
+        e.detail for e in store.events("shop", answered.id) if e.kind == "provider_answer"
+    ]
+    assert evidence is not None and evidence["message"] == f"card {REDACTED} charged"
+    for echoed in (answered.response["provider_response"], evidence["body"]):
+        kept_12s(echoed)
+        # Under names the request never used: hidden by value, the number being long.
+        assert echoed["card"] == {"number": REDACTED, "brand": "visa"}
+        assert echoed["pan"] == echoed["metadata"]["ref"] == REDACTED
+    assert queried.response is not None
+    (effect,) = queried.response["provider_response"]["data"]  # the sandbox's listing
+    kept_12s(effect)
+    assert effect["metadata"]["ref"] == REDACTED  # by name, from the stored copy
+    text = dump(store)
+    assert str(PAN) not in text
+    assert '"qty": "12"' in text or '"qty":"12"' in text
+
+
+def test_the_parts_of_a_sensitive_card_object_are_stored_nowhere(
+    store: Store, sandbox: SandboxServer
+) -> None:
+    answered, queried = charged(store, sandbox, OBJECT_CARD, OBJECT_REQUEST)
+    request = answered.request
+    kept_12s(request)
+    assert request is not None and request["quantity"] == "12"
+    assert request["card"] == request["metadata"]["note"] == REDACTED  # a CVC anywhere
+    assert answered.response is not None
+    (evidence,) = [
+        e.detail for e in store.events("shop", answered.id) if e.kind == "provider_answer"
+    ]
+    assert evidence is not None
+    for echoed in (answered.response["provider_response"], evidence["body"]):
+        kept_12s(echoed)
+        # The card's own keys are sensitive names; its CVC is hidden as a whole string.
+        assert echoed["source"] == {"cvc": REDACTED, "exp_month": REDACTED}
+        assert echoed["checks"] == {"result": REDACTED}
+        assert echoed["metadata"]["note"] == REDACTED
+    assert queried.response is not None
+    (effect,) = queried.response["provider_response"]["data"]
+    kept_12s(effect)
+    assert effect["metadata"]["note"] == REDACTED  # by name, from the stored copy
+    assert CARD not in dump(store)

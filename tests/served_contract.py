@@ -9,6 +9,7 @@ tests then hold for Flask (WSGI) and for the ASGI middleware, on SQLite and Post
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import uuid
@@ -24,9 +25,11 @@ import httpx
 import pytest
 import sqlalchemy as sa
 from conftest import Ledger, create_pg_database
+from fastapi import FastAPI
 
 from payorch import migrate
-from payorch.providers.sandbox import SandboxServer
+from payorch.integrations import fastapi as payorch_fastapi
+from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.storage._tables import events, operations, webhook_inbox
 
 PAYMENT = {"amount": 1999, "currency": "EUR", "customer": "cus_42"}
@@ -125,6 +128,47 @@ def delivery_for(stack: Stack, tenant: str, op_id: str) -> tuple[dict[str, str],
     raise AssertionError(f"the sandbox sent no webhook for {op_id} ({key})")
 
 
+FORGED_SIGNATURE = "v1,AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA="
+SIGNATURE_INVALID = "urn:payorch:problem:webhook-signature-invalid"
+
+
+def repeated_signature(headers: dict[str, str], *, forged_first: bool) -> list[tuple[str, str]]:
+    """The delivery's headers with two signature lines: its own and a forged one."""
+    lines = [(k, v) for k, v in headers.items() if k != "webhook-signature"]
+    pair = [("webhook-signature", headers["webhook-signature"])]
+    pair.insert(0 if forged_first else 1, ("webhook-signature", FORGED_SIGNATURE))
+    return lines + pair
+
+
+def answer_of(response: httpx.Response) -> tuple[int, str, str]:
+    """What a webhook answer says: its status, its media type, its result or problem type."""
+    body = response.json()
+    said = str(body["type"] if "type" in body else body["status"])  # a problem has both
+    return response.status_code, response.headers["content-type"], said
+
+
+def fastapi_answer(
+    stack: Stack, tenant: str, headers: list[tuple[str, str]], body: bytes
+) -> httpx.Response:
+    """The FastAPI integration's answer to a delivery (the reference), in this process, on
+    the stack's database and sandbox."""
+    adapter = SandboxProvider(
+        base_url=stack.sandbox.url, webhook_secret=stack.sandbox.webhook_secret
+    )
+    url = stack.engine.url.render_as_string(hide_password=False)
+    payorch = payorch_fastapi.Payorch(url=url, providers=[adapter])
+    app = FastAPI(exception_handlers=payorch.exception_handlers)
+    app.include_router(payorch.router())
+
+    async def deliver() -> httpx.Response:
+        async with payorch.lifespan(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+                return await c.post(f"/webhooks/{tenant}/sandbox", headers=headers, content=body)
+
+    return asyncio.run(deliver())
+
+
 BAD_REQUESTS: dict[str, tuple[dict[str, Any], int, str]] = {
     "missing key": ({"key": None}, 400, "invalid-idempotency-key"),
     "empty key": ({"key": ""}, 400, "invalid-idempotency-key"),
@@ -149,6 +193,9 @@ BAD_REQUESTS: dict[str, tuple[dict[str, Any], int, str]] = {
 
 class ServedContract:
     """The contract's tests; a subclass's module gives the ``stack`` fixture."""
+
+    # A WSGI server joins a repeated header's lines into one value before the app sees them.
+    JOINS_REPEATED_HEADER_LINES = False
 
     @pytest.fixture
     def tenant(self) -> str:
@@ -297,3 +344,40 @@ class ServedContract:
             missing = client.get(f"/operations/{op_id}", headers={"X-Tenant-Id": tenant})
             assert missing.status_code == 404, missing.text
             assert missing.json()["type"] == "urn:payorch:problem:operation-not-found"
+
+    @pytest.mark.parametrize("forged_first", [False, True], ids=["own-first", "forged-first"])
+    def test_a_repeated_signature_line_is_answered_as_fastapi_answers(
+        self, stack: Stack, client: httpx.Client, tenant: str, forged_first: bool
+    ) -> None:
+        reference_tenant = f"{tenant}-fastapi"  # its own operation, settled through FastAPI
+        deliveries = []
+        for who in (tenant, reference_tenant):
+            stack.sandbox.inject("drop_after")
+            unknown = post(client, who, "order-5")
+            assert unknown.status_code == 202, unknown.text
+            deliveries.append(delivery_for(stack, who, unknown.json()["operation_id"]))
+        (ours, body), (theirs, reference_body) = deliveries
+        served = client.post(
+            f"/webhooks/{tenant}/sandbox",
+            headers=repeated_signature(ours, forged_first=forged_first),
+            content=body,
+        )
+        reference = fastapi_answer(
+            stack,
+            reference_tenant,
+            repeated_signature(theirs, forged_first=forged_first),
+            reference_body,
+        )
+        # FastAPI hands the sandbox adapter every line; it checks the last one.
+        if forged_first:
+            assert answer_of(reference) == (200, "application/json", "applied"), reference.text
+        else:
+            assert answer_of(reference) == (400, PROBLEM, SIGNATURE_INVALID), reference.text
+        if forged_first and self.JOINS_REPEATED_HEADER_LINES:
+            # The two lines arrive as one value, no signature the adapter can parse: refused,
+            # nothing written (FastAPI applied it). docs/integrations.md says so.
+            assert answer_of(served) == (400, PROBLEM, SIGNATURE_INVALID), served.text
+            assert stack.inbox(tenant) == []
+            return
+        assert answer_of(served) == answer_of(reference), served.text
+        assert stack.inbox(tenant) == stack.inbox(reference_tenant)

@@ -18,8 +18,10 @@ import sqlalchemy as sa
 from conftest import FAST_TIMEOUT
 from served_contract import PAYMENT, PROBLEM, ServedContract, Stack, database, post, served_env
 from server_process import ServerProcess, refused_start, uvicorn_command
+from starlette.datastructures import Headers
 
 from payorch.errors import ConfigurationError
+from payorch.integrations._common import WebhookHeaders
 from payorch.integrations.asgi import (
     Message,
     OperationRoute,
@@ -265,3 +267,23 @@ def test_the_middleware_needs_no_framework() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_webhook_headers_are_what_fastapi_hands_the_adapters() -> None:
+    # FastAPI hands the adapters Starlette's Headers; Flask and the middleware, these.
+    lines = [
+        (b"webhook-id", b"msg_1"),
+        (b"webhook-signature", b"v1,first"),
+        (b"Webhook-Signature", b"v1,second"),
+        (b"content-type", b"application/json"),
+    ]
+    theirs = Headers(raw=[(k.lower(), v) for k, v in lines])
+    ours = WebhookHeaders((k.decode("latin-1"), v.decode("latin-1")) for k, v in lines)
+    assert list(ours.items()) == list(theirs.items())  # every line, names lower-cased
+    assert list(ours.keys()) == list(theirs.keys()) and list(ours.values()) == list(theirs.values())
+    assert len(ours) == len(theirs) == 4
+    assert ours["WEBHOOK-SIGNATURE"] == theirs["WEBHOOK-SIGNATURE"] == "v1,first"
+    assert ours.getlist("webhook-signature") == theirs.getlist("webhook-signature")
+    assert dict(ours.items()) == dict(theirs.items())  # a dict of the lines keeps the last
+    assert dict(ours) == dict(theirs)  # a dict of the mapping keeps the first
+    assert "Webhook-Id" in ours and "webhook-timestamp" not in ours and ours.get("x") is None

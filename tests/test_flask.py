@@ -4,6 +4,8 @@ and PostgreSQL; the extension's own choices on an app in this process."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -15,7 +17,16 @@ import pytest
 import sqlalchemy as sa
 from conftest import FAST_TIMEOUT
 from flask import Flask
-from served_contract import PAYMENT, PROBLEM, ServedContract, Stack, database, post, served_env
+from served_contract import (
+    PAYMENT,
+    PROBLEM,
+    ServedContract,
+    Stack,
+    database,
+    delivery_for,
+    post,
+    served_env,
+)
 from server_process import TESTS, ServerProcess, refused_start, script_command
 
 from payorch.errors import ConfigurationError, SchemaNotReady
@@ -52,8 +63,51 @@ def stack(module_db: str, acquirer: SandboxServer) -> Iterator[Stack]:
         engine.dispose()
 
 
+AUDIT = ("X-Audit", "read-body")  # tests/flask_server.py's before_request hook reads the body
+
+
 class TestServedByWerkzeug(ServedContract):
     """The contract (tests/served_contract.py), over the WSGI server process."""
+
+    JOINS_REPEATED_HEADER_LINES = True
+
+    def test_a_hook_that_read_the_body_first_leaves_it_to_payorch(
+        self, stack: Stack, client: httpx.Client, tenant: str
+    ) -> None:
+        stack.sandbox.inject("drop_after")
+        unknown = post(client, tenant, "audited-1", extra=[AUDIT])
+        assert unknown.status_code == 202, unknown.text
+        sent = json.dumps(PAYMENT).encode()
+        assert unknown.headers["X-Audited-Sha256"] == hashlib.sha256(sent).hexdigest()
+        op_id = unknown.json()["operation_id"]
+        headers, body = delivery_for(stack, tenant, op_id)
+        hook = client.post(
+            f"/webhooks/{tenant}/sandbox", headers=[*headers.items(), AUDIT], content=body
+        )
+        assert hook.status_code == 200 and hook.json()["status"] == "applied", hook.text
+        assert hook.headers["X-Audited-Sha256"] == hashlib.sha256(body).hexdigest()
+        paid = post(client, tenant, "audited-2", extra=[AUDIT])
+        assert paid.status_code == 201 and paid.json()["state"] == "succeeded", paid.text
+        assert stack.inbox(tenant) == ["applied"] and len(stack.effects(tenant)) == 2
+
+    @pytest.mark.parametrize("audited", [False, True], ids=["alone", "after-a-hook"])
+    def test_a_chunked_body_is_read_within_max_body(
+        self, stack: Stack, client: httpx.Client, tenant: str, audited: bool
+    ) -> None:
+        headers = [("Content-Type", "application/json"), ("X-Tenant-Id", tenant)]
+        headers += [AUDIT] if audited else []
+
+        def chunked(key: str, body: bytes) -> httpx.Response:
+            # An iterator has no length: httpx sends it chunked, without a Content-Length.
+            lines = [*headers, ("Idempotency-Key", key)]
+            return client.post("/payments", headers=lines, content=iter([body]))
+
+        paid = chunked("chunked-1", json.dumps(PAYMENT).encode())
+        assert paid.status_code == 201 and paid.json()["state"] == "succeeded", paid.text
+        huge = chunked("chunked-2", b" " * ((1 << 20) + 1))
+        assert huge.status_code == 413, huge.text
+        assert huge.json()["type"] == "urn:payorch:problem:request-body-too-large"
+        assert stack.rows(tenant) == 1 and len(stack.effects(tenant)) == 1
 
     def test_a_view_that_aborts_keeps_its_status_and_runs_nothing(
         self, stack: Stack, client: httpx.Client, tenant: str

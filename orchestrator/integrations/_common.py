@@ -8,7 +8,7 @@ so that both speak with the same problem types as the FastAPI and Django integra
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, ItemsView, Iterable, Iterator, Mapping, ValuesView
 from typing import Any
 
 from ..core import State, validate_tenant
@@ -19,6 +19,7 @@ from ..outcome import Outcome
 __all__ = [
     "DEFAULT_MAX_BODY",
     "Refused",
+    "WebhookHeaders",
     "checked_operation_id",
     "failure",
     "known_tenant",
@@ -101,3 +102,62 @@ def operation_answer(outcome: Outcome) -> HttpAnswer:
     if outcome.unknown or outcome.state is State.IN_PROGRESS:
         headers["Retry-After"] = "1"
     return HttpAnswer(status=200, body=answer.body, headers=headers)
+
+
+class WebhookHeaders(Mapping[str, str]):
+    """A webhook's header lines as the FastAPI integration hands them to the adapters
+    (Starlette's ``Headers``), so that every integration gets one answer for one delivery.
+
+    Names are lower-cased and every line is kept, in order: ``headers[name]`` and ``get`` give
+    the first line of ``name`` (any case), ``getlist`` all of them; ``items()``, ``keys()``,
+    ``values()``, iteration and ``len`` go line by line, a repeated name each time.
+    """
+
+    def __init__(self, lines: Iterable[tuple[str, str]]) -> None:
+        self._lines = [(name.lower(), value) for name, value in lines]
+
+    def __getitem__(self, name: str) -> str:
+        wanted = name.lower()
+        for key, value in self._lines:
+            if key == wanted:
+                return value
+        raise KeyError(name)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and any(k == name.lower() for k, _ in self._lines)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([key for key, _ in self._lines])
+
+    def __len__(self) -> int:
+        return len(self._lines)
+
+    def items(self) -> _Lines:  # every line: a dict built from it keeps a name's last line
+        return _Lines(self)
+
+    def values(self) -> _Values:
+        return _Values(self)
+
+    def getlist(self, name: str) -> list[str]:
+        wanted = name.lower()
+        return [value for key, value in self._lines if key == wanted]
+
+    def __repr__(self) -> str:
+        return f"WebhookHeaders({self._lines!r})"
+
+
+class _Lines(ItemsView[str, str]):
+    _mapping: WebhookHeaders
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(list(self._mapping._lines))
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._mapping._lines
+
+
+class _Values(ValuesView[str]):
+    _mapping: WebhookHeaders
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([value for _, value in self._mapping._lines])

@@ -52,6 +52,7 @@ from ..storage._outbox import OutboxHooks, load_hooks
 from ._common import (
     DEFAULT_MAX_BODY,
     Refused,
+    WebhookHeaders,
     checked_operation_id,
     failure,
     known_tenant,
@@ -342,11 +343,9 @@ class PayorchMiddleware:
     ) -> None:
         try:
             body = await self._body(scope, receive)
-            headers: dict[str, str] = {}
-            for k, v in scope.get("headers", ()):
-                name = k.decode("latin-1").lower()
-                value = v.decode("latin-1")
-                headers[name] = f"{headers[name]}, {value}" if name in headers else value
+            # Line by line, as FastAPI hands them over: the adapter sees what it would there.
+            lines = scope.get("headers", ())
+            headers = WebhookHeaders((k.decode("latin-1"), v.decode("latin-1")) for k, v in lines)
             result = await self.webhooks.handle_delivery(tenant, provider, headers, body)
             answer = webhook_answer(result)
         except _Gone:

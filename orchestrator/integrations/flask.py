@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import atexit
 import functools
+import io
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TypeAlias
+from typing import IO, Any, TypeAlias
 
 from flask import Blueprint, Flask, Request, Response, current_app, request, url_for
 from flask.typing import ResponseReturnValue
@@ -57,6 +58,7 @@ from ..storage._store import Store
 from ._common import (
     DEFAULT_MAX_BODY,
     Refused,
+    WebhookHeaders,
     checked_operation_id,
     failure,
     known_tenant,
@@ -348,15 +350,29 @@ class Payorch:
         )
 
     def _body(self) -> bytes:
-        declared = request.content_length
+        """The body, bounded by ``max_body``, read through Flask's cache: a ``before_request``
+        hook that read it (``get_data``, ``get_json``) leaves it for us, and we for the view."""
+        req = _current()
+        declared = req.content_length
         if declared is not None and declared > self.max_body:
             raise Refused(too_large(self.max_body))
+        try:
+            if declared is None:
+                # No length to bound the stream (chunked): read it within max_body here, and
+                # let get_data cache what was read. One read before us left it empty and cached.
+                req.stream = io.BytesIO(self._bounded(req.stream))
+            # With a length, werkzeug's stream ends there (<= max_body): a bounded read.
+            body = req.get_data(cache=True)
+        except RequestEntityTooLarge:  # the app's own MAX_CONTENT_LENGTH, lower still
+            raise Refused(too_large(current_app.config["MAX_CONTENT_LENGTH"])) from None
+        if len(body) > self.max_body:  # a chunked body a hook read first, unbounded
+            raise Refused(too_large(self.max_body))
+        return body
+
+    def _bounded(self, stream: IO[bytes]) -> bytes:
         chunks = bytearray()
         while True:  # bounded: the body ends, or passes max_body
-            try:
-                chunk = request.stream.read(_READ_CHUNK)
-            except RequestEntityTooLarge:  # the app's own MAX_CONTENT_LENGTH, lower still
-                raise Refused(too_large(current_app.config["MAX_CONTENT_LENGTH"])) from None
+            chunk = stream.read(_READ_CHUNK)
             if not chunk:
                 return bytes(chunks)
             chunks += chunk
@@ -383,7 +399,9 @@ class Payorch:
     def _webhook(self, tenant: str, provider: str) -> Response:
         try:
             body = self._body()
-            headers = dict(request.headers.items())
+            # As FastAPI hands them over; a WSGI server has already joined a repeated
+            # header's lines into one value (as RFC 9110 allows), so that is one line here.
+            headers = WebhookHeaders(request.headers.items())
             result = self.webhooks.handle_delivery(tenant, provider, headers, body)
         except Exception as exc:  # noqa: BLE001 - a 5xx makes the provider re-send it
             return _failed(exc, webhook_answer)

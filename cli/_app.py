@@ -23,9 +23,10 @@ from ._once import once_app
 from ._ops import ops_app
 from ._outbox import outbox_app
 from ._reconcile import reconcile_app
-from ._runtime import DatabaseUrl, database_url, err, out
+from ._runtime import DatabaseUrl, database_url, err, given_url, out, trimmed_stdout
 from ._sandbox import sandbox_app
 from ._stats import stats_cmd
+from ._types import types_cmd
 
 __all__ = ["app", "main"]
 
@@ -39,6 +40,18 @@ def _usage_exit(exc: typer.TyperException) -> NoReturn:
     if type(exc).__name__ != "NoArgsIsHelpError":  # that one has printed the help already
         _one_line(f"{exc.format_message()} (see --help)")
     sys.exit(exc.exit_code)
+
+
+def _quiet_flags(command: Any, ctx: Any = None) -> None:
+    """Flags take no value, so their help shows none. (Typer renders ``--json <bool>``,
+    which reads as though ``--json true`` were accepted; it is refused.) Duck-typed: typer
+    builds its commands from its own copy of click."""
+    made = command.context_class(command, parent=ctx, **command.context_settings)
+    for param in [*command.params, command.get_help_option(made)]:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""  # typer's help prints a metavar, when one is set, as the type
+    for sub in getattr(command, "commands", {}).values():
+        _quiet_flags(sub, made)
 
 
 class _Group(TyperGroup):
@@ -70,14 +83,16 @@ class _Group(TyperGroup):
         windows_expand_args: bool = True,
         **extra: Any,
     ) -> Any:
+        _quiet_flags(self)
         if not standalone_mode:
             return super().main(
                 args, prog_name, complete_var, standalone_mode, windows_expand_args, **extra
             )
         try:
-            result = super().main(
-                args, prog_name, complete_var, False, windows_expand_args, **extra
-            )
+            with trimmed_stdout():
+                result = super().main(
+                    args, prog_name, complete_var, False, windows_expand_args, **extra
+                )
         except typer.TyperException as exc:  # usage errors: exit 2
             _usage_exit(exc)
         except typer.Abort:
@@ -151,6 +166,7 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(reconcile_app, name="reconcile")
 app.add_typer(sandbox_app, name="sandbox")
 app.command("stats")(stats_cmd)
+app.command("types")(types_cmd)
 
 
 @db_app.command("upgrade")
@@ -184,6 +200,7 @@ DemoDatabaseUrl = Annotated[
         "--database-url",
         help="Run on this database (its own tenant); default: a temporary SQLite file.",
         show_default=False,
+        callback=given_url,
     ),
 ]
 

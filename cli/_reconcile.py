@@ -65,17 +65,20 @@ def once_cmd(
     config = settings()
     # A long batch reports as it goes: a bar on a terminal, a log line per 100 checks else.
     lines = log_every(_PROGRESS_STEP, logs.reconcile_progress)
-    with (
-        open_store(database_url) as store,
-        reconciler(store, config, batch=batch, concurrency=concurrency) as rec,
-        bar("reconciling", console=err()) as drawn,
-    ):
+    with open_store(database_url) as store:
+        # A database never migrated (or migrated by an older payorch) is refused with the
+        # command to run, before anything is leased.
+        store.check_schema()
+        with (
+            reconciler(store, config, batch=batch, concurrency=concurrency) as rec,
+            bar("reconciling", console=err()) as drawn,
+        ):
 
-        def progress(done: int, picked: int) -> None:
-            drawn(done, picked)
-            lines(done, picked)
+            def progress(done: int, picked: int) -> None:
+                drawn(done, picked)
+                lines(done, picked)
 
-        report = rec.reconcile_once(progress=progress)
+            report = rec.reconcile_once(progress=progress)
     logs.reconcile_pass(report.picked, report.outcomes, report.released)
     if json_:
         render.print_json(
@@ -104,6 +107,8 @@ def run_cmd(
     metrics_addr: Annotated[
         str | None,
         typer.Option(
+            "--metrics-addr",
+            "--metrics",
             help="Serve /metrics, /healthz, /readyz on host:port, or 'off' "
             "(default PAYORCH_METRICS_ADDR, else 127.0.0.1:9464).",
             show_default=False,
@@ -136,7 +141,6 @@ def run_cmd(
         relay(store, config, required=False) as relaying,  # with PAYORCH_OUTBOX_SINKS set
     ):
         watch = unexplained_watch(rec, config)  # refused, if it is, before starting
-        logs.reconciler_started(rec.owner, seconds)
         daemon = ReconcilerDaemon(
             rec,
             interval=timedelta(seconds=seconds),
@@ -147,7 +151,10 @@ def run_cmd(
             relay_interval=timedelta(seconds=config.outbox_interval_seconds),
         )
 
-        def serving() -> None:  # bound, before the first pass
+        def serving() -> None:
+            # Only once the schema was checked and the monitor bound: a refused start-up
+            # never says "started".
+            logs.reconciler_started(rec.owner, seconds)
             if daemon.monitor is not None:
                 url = daemon.monitor.url
                 logs.emit(logs.reconciler_log, logging.INFO, "monitor.started", url=url)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import getpass
+import io
 import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TextIO, cast
 
 import typer
 from rich.console import Console
@@ -32,6 +33,7 @@ __all__ = [
     "default_actor",
     "duration_option",
     "err",
+    "given_url",
     "not_blank",
     "open_store",
     "out",
@@ -39,19 +41,85 @@ __all__ = [
     "reconciler",
     "relay",
     "settings",
+    "settings_error",
+    "trimmed_stdout",
 ]
 
 # Piped output (files, grep, tests) gets a wide console: ids must not be cut or wrapped.
 _PIPE_WIDTH = 240
 
 
+class _Trimmed(io.TextIOBase):
+    """A pipe's lines without the spaces rich pads every table row and grid with to the
+    console's width (hundreds of columns, for a wide timeline): files, grep and diff see
+    the text only."""
+
+    def __init__(self, target: TextIO) -> None:
+        self._target = target
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]  # rich reads the file's encoding
+        return getattr(self._target, "encoding", None) or "utf-8"
+
+    def isatty(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        # rich writes whole lines (a print ends with its newline); a line cut between two
+        # writes keeps its padding, which is harmless.
+        lines = text.split("\n")
+        self._target.write("\n".join([line.rstrip(" ") for line in lines[:-1]] + lines[-1:]))
+        return len(text)
+
+    def flush(self) -> None:
+        self._target.flush()
+
+    def fileno(self) -> int:
+        return self._target.fileno()
+
+
+@contextmanager
+def trimmed_stdout() -> Iterator[None]:
+    """``sys.stdout`` without trailing padding while a command runs, when it is not a
+    terminal: typer's help panels are padded too. A terminal is left as it is."""
+    target = sys.stdout
+    if target.isatty() or isinstance(target, _Trimmed):
+        yield
+        return
+    # cast: a TextIOBase is a text file, though typeshed's TextIO names more methods
+    sys.stdout = cast("TextIO", _Trimmed(target))
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stdout = target
+
+
 def out() -> Console:
-    """Standard output, made per call so it follows ``sys.stdout`` (redirected in tests)."""
-    return Console(width=None if sys.stdout.isatty() else _PIPE_WIDTH, highlight=False)
+    """Standard output, made per call so it follows ``sys.stdout`` (redirected in tests).
+    Not a terminal: wide (ids are never cut or wrapped) and without trailing padding."""
+    if sys.stdout.isatty():
+        return Console(highlight=False)
+    trimmed = sys.stdout if isinstance(sys.stdout, _Trimmed) else _Trimmed(sys.stdout)
+    return Console(file=cast("TextIO", trimmed), width=_PIPE_WIDTH, highlight=False)
 
 
 def err() -> Console:
     return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def given_url(value: str | None) -> str | None:
+    """An option's callback: ``--database-url ''`` is refused, never read as "not given" (a
+    script whose variable came out empty must not fall back to another database)."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter(
+            "must not be empty: pass a SQLAlchemy URL (e.g. sqlite:///payorch.db), or leave "
+            "the option out to use PAYORCH_DATABASE_URL"
+        )
+    return value
 
 
 DatabaseUrl = Annotated[
@@ -60,6 +128,7 @@ DatabaseUrl = Annotated[
         "--database-url",
         help="SQLAlchemy URL; defaults to PAYORCH_DATABASE_URL, else sqlite:///payorch.db.",
         show_default=False,
+        callback=given_url,
     ),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
@@ -83,13 +152,29 @@ def settings() -> Settings:
     try:
         return Settings()
     except pydantic.ValidationError as exc:
-        first = exc.errors()[0]
-        name = "PAYORCH_" + "_".join(str(p) for p in first["loc"]).upper()
-        raise ConfigurationError(f"{name}: {first['msg']}") from None
+        raise ConfigurationError(settings_error(exc)) from None
+
+
+def settings_error(exc: Any) -> str:
+    """One line for a refused setting (a pydantic ``ValidationError``): the variable and
+    why, without pydantic's own wording around it, and what to do. The value is not
+    repeated: it may be a secret."""
+    first = exc.errors()[0]
+    name = "PAYORCH_" + "_".join(str(p) for p in first["loc"]).upper()
+    cause = first.get("ctx", {}).get("error")
+    # A validator's ValueError comes back as "Value error, <its text>": keep only the text.
+    message = str(cause) if isinstance(cause, ValueError) else str(first["msg"])
+    if not message.startswith(name):
+        message = f"{name}: {message}"
+    return f"{message} (fix the setting and run again)"
 
 
 def database_url(value: str | None) -> str:
-    return value or settings().database_url
+    """``--database-url`` if given (an empty one is refused, never a fall-back), else the
+    settings' URL."""
+    if value is None:
+        return settings().database_url
+    return given_url(value) or value
 
 
 @contextmanager
@@ -149,8 +234,12 @@ def parse_duration(text: str) -> timedelta:
     return timedelta(seconds=total)
 
 
-def duration_option(help_text: str) -> Any:
-    """A ``--…`` option that takes a duration such as 30s, 15m, 2h or 1d."""
+def duration_option(help_text: str, *, default: str | None = None) -> Any:
+    """A ``--…`` option that takes a duration such as 30s, 15m, 2h or 1d; ``default`` is
+    what a missing option means, for the help (the command applies it)."""
+    if default is not None:
+        # Escaped: typer reads help as rich markup, where a bare [default: 24h] is a tag.
+        help_text = f"{help_text} \\[default: {default}]"
     return typer.Option(parser=parse_duration, metavar="DURATION", help=help_text)
 
 

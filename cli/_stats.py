@@ -21,7 +21,8 @@ def stats_cmd(
     window: Annotated[
         timedelta | None,
         duration_option(
-            "Count replayed operations and fingerprint conflicts over this window [default: 24h]."
+            "Count replayed operations and fingerprint conflicts over this window.",
+            default="24h",
         ),
     ] = None,
     tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant.")] = None,

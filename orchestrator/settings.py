@@ -83,6 +83,17 @@ class Settings(BaseSettings):
     # Your Checkout endpoint, version included (…/v71): required with an API key.
     adyen_base_url: str | None = None
 
+    @field_validator("database_url")
+    @classmethod
+    def _url_given(cls, value: str) -> str:
+        # Set but empty (an unset variable in a template) is a mistake, not "the default".
+        if not value.strip():
+            raise ValueError(
+                "PAYORCH_DATABASE_URL is set but empty: set a SQLAlchemy URL (e.g. "
+                "sqlite:///payorch.db) or unset it"
+            )
+        return value
+
     @field_validator("adyen_hmac_key")
     @classmethod
     def _hex_key(cls, value: str | None) -> str | None:

@@ -138,11 +138,12 @@ def test_reconcile_run_stops_on_sigterm(db_url: str, world: World) -> None:
     )
     try:
         assert proc.stderr is not None
-        assert "a pass every 0.2s" in proc.stderr.readline()
         seen: list[str] = []
-        while len(seen) < 3 and not any("abandoned=1" in line for line in seen):
-            seen.append(proc.stderr.readline())  # the monitor's line, then the first pass
+        # The replication mode, "started", the monitor's line, then the first pass.
+        while len(seen) < 5 and not any("abandoned=1" in line for line in seen):
+            seen.append(proc.stderr.readline())
         assert "abandoned=1" in seen[-1], seen  # the first pass settles it
+        assert any("a pass every 0.2s" in line for line in seen[:-1]), seen
         proc.send_signal(signal.SIGTERM)
         stdout, _ = proc.communicate(timeout=30)
     finally:

@@ -20,6 +20,12 @@ as a read-write primary, a pass finished within ``3 x interval`` and, if the sto
 a synchronous standby, one streams; else 503 with the reason on one line). Either way the
 body names the replication mode (:mod:`payorch.storage._replication`). At start-up the daemon logs
 that mode (WARNING unless synchronous) and, in strict mode, refuses to start without it.
+
+Before all of that it checks the schema (``Store.check_schema()``): a database without
+payorch's tables, or at an older revision, refuses the start with
+:class:`~payorch.errors.SchemaNotReady`, whose message names ``payorch db upgrade``; nothing
+is bound, scheduled or logged as started. Should the schema go missing while it runs (a
+restore, a dropped table), ``/readyz`` answers 503 with the same hint.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from ..errors import ConfigurationError, StorageError
+from ..errors import ConfigurationError, SchemaNotReady, StorageError
 from ..observing import _metrics as metrics
 from ..observing._bounded import OneAtATime
 from ..storage._probes import replication
@@ -46,6 +52,7 @@ from ..storage._replication import ENV_STRICT, Status
 from ._reconciler import Reconciler, ReconcileReport
 
 if TYPE_CHECKING:
+    from ..storage._store import Store
     from ._watch import UnexplainedWatch
 
 __all__ = ["Drains", "MonitorServer", "ReconcilerDaemon", "parse_address"]
@@ -88,6 +95,8 @@ class ReconcilerDaemon:
         self.monitor: MonitorServer | None = None
         self.started_at = time.monotonic()
         self.last_pass_at: float | None = None  # monotonic end of the last successful pass
+        # SchemaNotReady's message from the last pass that met it (None: the schema served).
+        self.schema_problem: str | None = None
         self._scheduler = BackgroundScheduler(
             job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": None}
         )
@@ -106,6 +115,8 @@ class ReconcilerDaemon:
                 stop=self.stop_event, refill_for=self.interval.total_seconds()
             )
         except StorageError as exc:  # the database is away: one line, the next pass retries
+            if isinstance(exc, SchemaNotReady):  # readiness says so until a pass succeeds
+                self.schema_problem = exc.message
             log.warning("reconcile pass skipped: %s", " ".join(exc.message.split()))
             metrics.pass_finished("skipped")
             return None
@@ -114,6 +125,7 @@ class ReconcilerDaemon:
             metrics.pass_finished("failed")
             return None
         self.last_pass_at = time.monotonic()
+        self.schema_problem = None
         metrics.pass_finished("ok")
         self.passes += 1
         self.total.merge(report)
@@ -149,27 +161,49 @@ class ReconcilerDaemon:
         status = None
         if self.monitor is not None:
             status = self.monitor.replication()
-            if status is None:
-                return "database unreachable", None
-            if status.mode == "read_only":
-                return "the database is a standby or a read-only session", status
-            reason = status.refusal() if self.reconciler.store.replication.strict else None
-            if reason is not None:
-                return f"{ENV_STRICT} is set and {reason}", status
+            problem = self._database_problem(status)
+            if problem is not None:
+                return problem, status
+        elif self.schema_problem is not None:
+            return self.schema_problem, None
         if since > limit:
             return f"no reconcile pass finished for {since:.1f}s (limit {limit:g}s)", status
         return None, status
 
+    def _database_problem(self, status: Status | None) -> str | None:
+        """What the monitor's probes say keeps the database from serving (None: nothing)."""
+        assert self.monitor is not None
+        if status is None:
+            return "database unreachable"
+        if status.mode == "read_only":
+            return "the database is a standby or a read-only session"
+        reason = status.refusal() if self.reconciler.store.replication.strict else None
+        if reason is not None:
+            return f"{ENV_STRICT} is set and {reason}"
+        return self.monitor.schema()
+
     def start(self, on_start: Callable[[], None] | None = None) -> None:
-        """Bind the monitor (if any), call ``on_start``, then schedule the passes."""
+        """Check the schema, bind the monitor (if any), check the replication mode, call
+        ``on_start``, then schedule the passes. ``SchemaNotReady``, a strict-mode refusal or
+        a ``ConfigurationError`` (a taken address) stops start-up before ``on_start``."""
+        # One read: a database never migrated, or migrated by an older payorch, is refused
+        # with the command to run instead of failing every pass.
+        self.reconciler.store.check_schema()
         if self._monitor_address is not None and self.monitor is None:
-            # Bound first: a taken or invalid address stops start-up before any pass runs.
+            # Bound before on_start: a taken or invalid address stops start-up before any
+            # pass runs, and before anything says "started".
             self.monitor = MonitorServer(self, self._monitor_address)
             self.monitor.start()
+        try:
+            # The replication mode, logged; in strict mode no start without a sync standby.
+            self.reconciler.store.replication.check()
+        except BaseException:
+            if self.monitor is not None:  # a refused start leaves no port behind
+                self.monitor.stop()
+                self.monitor = None
+            raise
         if on_start is not None:
             on_start()
-        # The replication mode, logged; in strict mode no start without a synchronous standby.
-        self.reconciler.store.replication.check()
         self.started_at = time.monotonic()
         self._scheduler.add_job(
             self._pass,
@@ -278,6 +312,7 @@ class MonitorServer:
         metrics.watch(store, timeout=timeout)
         # One round trip: the database answers, and how it is replicated.
         self._replication = OneAtATime(lambda: replication(store), timeout=timeout)
+        self._schema = OneAtATime(lambda: _schema_problem(store), timeout=timeout)
         host, port = address
         try:
             server = _Server6 if ":" in host else _Server
@@ -309,6 +344,11 @@ class MonitorServer:
         """The replication status (``read_only`` for a standby); None: no answer in time."""
         return self._replication()
 
+    def schema(self) -> str | None:
+        """Why the schema cannot serve (``SchemaNotReady``'s message, naming the command to
+        run); None when it can, or when the database gave no answer in time."""
+        return self._schema() or None
+
     def start(self) -> None:
         self._thread.start()
 
@@ -316,6 +356,16 @@ class MonitorServer:
         if self._thread.is_alive():
             self._server.shutdown()
         self._server.server_close()
+
+
+def _schema_problem(store: Store) -> str:
+    """``""`` while the schema is this install's; else what ``check_schema`` refused with.
+    Other failures propagate: the replication probe already reports an unreachable database."""
+    try:
+        store.check_schema()
+    except SchemaNotReady as exc:
+        return " ".join(exc.message.split())
+    return ""
 
 
 def _handler(monitor: MonitorServer) -> type[BaseHTTPRequestHandler]:

@@ -32,6 +32,7 @@ from ..provider import TAG_TENANT
 from ..providers.sandbox import SandboxProvider, SandboxServer
 from ..reconciling._reconciler import Reconciler, ReconcilerPolicy
 from ..reconciling._webhooks import WebhookHandler
+from ..storage._schema import shown_url
 from ..storage._store import Store
 from ..storage._tables import operations
 from ._demo_report import Tally, attention_reasons, report
@@ -68,7 +69,7 @@ def _run(url: str, payments: int, seed: int, console: Console) -> bool:
     migrate.upgrade(url)
     store = Store.from_url(url)
     console.print(f"[bold]payorch demo[/bold]: {payments} payments, seed {seed}, tenant {tenant}")
-    console.print(f"database {store.engine.url.render_as_string(hide_password=True)}")
+    console.print(f"database {shown_url(store.engine.url)}")
     with (
         SandboxServer(
             seed=seed,

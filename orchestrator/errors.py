@@ -42,7 +42,7 @@ and may have reached the provider. No error ever invites a new key.
     │   │                                        provider missing from the executor)
     │   ├── DatabaseReadOnly                503  a standby or a read-only session; also a
     │   │                                        StorageError: nothing committed, same key
-    │   └── SchemaNotReady                  503  payorch's tables missing, older or newer
+    │   └── SchemaNotReady                  503  payorch's tables missing or older
     │                                            than this install; also a StorageError
     ├── ProviderError                       502
     │   ├── ProviderIdempotencyError        502  provider says our key was reused differently
@@ -317,9 +317,11 @@ class DatabaseReadOnly(ConfigurationError, StorageError):
 
 class SchemaNotReady(ConfigurationError, StorageError):
     """payorch's tables are not what this install needs: missing (``payorch db upgrade``
-    never ran against this database), at an older revision, or at a revision this install
-    does not know (a newer payorch migrated it: the code was rolled back). Raised by
-    ``Store.check_schema()`` at start-up, and for a statement that finds a table missing.
+    never ran against this database), at an older revision, or unreadable by the
+    application's role (grant SELECT on ``payorch_alembic_version``). Raised by
+    ``Store.check_schema()`` at start-up, and by a statement that meets a table or column
+    missing (an older schema, or one a newer migration changed). A newer revision is not
+    refused at start-up: it is logged (a rolling deploy migrates first).
 
     The message names what was found and what to run; a configuration error (a deployment
     step was skipped), and a :class:`StorageError` (503): nothing was written, so a client

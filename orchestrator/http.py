@@ -21,8 +21,8 @@ request model refused the payload              422     type ``…:request-valida
 key past retention (tombstone)                 410     configurable per operation type
 missing/invalid key, body not JSON, bad input  400     fix the request
 storage failed (before or after the claim)     503     ``same_key`` after ``Retry-After``;
-                                                       ``detail`` says what failed (e.g. run
-                                                       ``payorch db upgrade``)
+                                                       ``detail`` says what failed (e.g. the
+                                                       schema and the code to align)
 =============================================  ======  =========================================
 
 Outcomes are ``application/json`` (the stored body, byte for byte the same on a replay);
@@ -103,8 +103,11 @@ _SAME_KEY_LATER = (
 _STORAGE_DETAILS: tuple[tuple[type[StorageError], str], ...] = (
     (
         SchemaNotReady,
-        "payorch's tables are missing or out of date: run `payorch db upgrade`; nothing was "
-        f"written; {_SAME_KEY_LATER}",
+        # Neutral: the client cannot tell an older schema (upgrade) from a newer one (roll
+        # the code forward); the message, for the logs, says which.
+        "payorch's tables do not match this release: an operator must align the schema and "
+        "the code (`payorch db upgrade`, or roll the code forward); nothing was written; "
+        f"{_SAME_KEY_LATER}",
     ),
     (
         DatabaseReadOnly,

@@ -2,15 +2,19 @@
 
 ``PermissionDenied``, ``Http404``, ``SuspiciousOperation`` (and ``DisallowedHost``) and
 ``BadRequest`` raised by an ``@idempotent`` view answer 403/404/400 as problem+json, logged
-below ERROR, with nothing stored under the key: the same key, sent again once the request is
-fixed, runs once. A database without payorch's schema answers 503 ``schema-not-ready`` with
-the command to run, until it has run. Sync and async views, on SQLite and PostgreSQL.
+below ERROR by payorch (a ``SuspiciousOperation`` at ERROR to ``django.security.<class>``, as
+Django does), with nothing stored under the key: the same key, sent again once the request
+is fixed, runs once. Raised on the retry of a key that already succeeded, the refusal does
+not claim that nothing is stored, changes nothing, and the next retry replays. A database
+without payorch's schema answers 503 ``schema-not-ready`` until it is upgraded, one request
+checking at a time. Sync and async views, on SQLite and PostgreSQL.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -130,6 +134,27 @@ def rows(db_url: str, tenant: str) -> int:
         engine.dispose()
 
 
+def row(db_url: str, tenant: str) -> dict[str, Any]:
+    engine = sa.create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            query = sa.select(operations).where(operations.c.tenant_id == tenant)
+            return dict(conn.execute(query).mappings().one())
+    finally:
+        engine.dispose()
+
+
+def says_what_is_true(detail: str) -> None:
+    """A view's refusal comes before payorch looks at the key: it never says what the key
+    holds, and never invites a new one."""
+    assert "nothing was stored" not in detail and "nothing ran" not in detail
+    assert "before payorch looked at its idempotency key" in detail
+    assert "this request started nothing" in detail
+    assert "an earlier request with the same key may have run" in detail
+    assert "retry the same key, or GET the operation" in detail
+    assert "never use a new key for the same payment" in detail
+
+
 def effects(sandbox: SandboxServer, tenant: str) -> list[dict[str, Any]]:
     return [e for e in sandbox.ledger() if e["metadata"].get("payorch_tenant_id") == tenant]
 
@@ -166,11 +191,19 @@ def test_a_django_refusal_keeps_its_status_and_leaves_the_key_unused(
             body = json.loads(refused.content)
             assert body["type"] == f"urn:payorch:problem:{kind}"
             assert body["status"] == status
-            assert "nothing ran" in body["detail"] and "fix the request" in body["detail"]
+            says_what_is_true(body["detail"])
             assert "the view's own words" not in body["detail"]
             assert "retry" not in body  # not a 5xx: nothing to come back for unchanged
             ours = [r for r in caplog.records if r.name.startswith("payorch")]
             assert ours and all(r.levelno < logging.ERROR for r in ours)
+            security = [r for r in caplog.records if r.name.startswith("django.security")]
+            if raised in ("SuspiciousOperation", "DisallowedHost"):  # Django's convention
+                assert [(r.name, r.levelno) for r in security] == [
+                    (f"django.security.{raised}", logging.ERROR)
+                ]
+                assert security[0].getMessage() == "the view's own words"
+            else:
+                assert security == []
             assert rows(db_url, tenant) == 0 and effects(sandbox, tenant) == []
 
             # Fixed, the same key runs, once; a replay is the same answer, no new effect.
@@ -180,6 +213,18 @@ def test_a_django_refusal_keeps_its_status_and_leaves_the_key_unused(
             assert again["Idempotent-Replayed"] == "true"
             assert json.loads(first.content) == json.loads(again.content)
             assert rows(db_url, tenant) == 1 and len(effects(sandbox, tenant)) == 1
+
+            # The answer was lost; the retry now meets a refusal (the order is paid, the
+            # session expired): it must not say nothing is stored, and changes nothing.
+            stored = row(db_url, tenant)
+            late = caller.post(tenant, key, refuse=raised)
+            assert late.status_code == status
+            says_what_is_true(json.loads(late.content)["detail"])
+            assert row(db_url, tenant) == stored
+            replay = caller.post(tenant, key)  # the same key, fixed: the first outcome
+            assert replay.status_code == 201 and replay["Idempotent-Replayed"] == "true"
+            assert json.loads(replay.content) == json.loads(first.content)
+            assert len(effects(sandbox, tenant)) == 1
         finally:
             caller.close(sandbox_provider)
 
@@ -220,7 +265,7 @@ def test_an_unmigrated_database_answers_503_with_the_command_until_it_is_upgrade
             assert refused.status_code == 503 and refused["Content-Type"] == PROBLEM
             body = json.loads(refused.content)
             assert body["type"] == "urn:payorch:problem:schema-not-ready"
-            assert "run `payorch db upgrade`" in body["detail"]
+            assert "`payorch db upgrade`, or roll the code forward" in body["detail"]
             assert body["retry"] == "same_key" and int(refused["Retry-After"]) >= 1
             # The operator's line: what was found and what to run, at ERROR.
             logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
@@ -233,3 +278,61 @@ def test_an_unmigrated_database_answers_503_with_the_command_until_it_is_upgrade
             assert len(effects(sandbox, tenant)) == 1
         finally:
             caller.close(sandbox_provider)
+
+
+WAIT = 30.0  # seconds: a bound on each hand-over between the threads, never a pause
+
+
+def test_while_the_check_fails_one_request_checks_and_the_others_answer_at_once(
+    django_ready: None,
+    tmp_path: Path,
+    sandbox: SandboxServer,
+    sandbox_provider: SandboxProvider,
+    loop_thread: LoopThread,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A database away or not migrated: the store is kept across failed checks, one request
+    at a time checks, and a request arriving meanwhile answers the last refusal without
+    waiting for that check's I/O."""
+    from django.test import override_settings
+
+    from payorch.integrations.django import store
+    from payorch.storage._store import Store
+
+    url = f"sqlite:///{tmp_path / 'unmigrated.db'}"
+    tenant, key = f"t-{uuid.uuid4().hex[:10]}", f"k-{uuid.uuid4().hex}"
+    original = Store.check_schema
+    checked: list[Store] = []
+    hold, entered, release = threading.Event(), threading.Event(), threading.Event()
+
+    def check(self: Store) -> str:
+        checked.append(self)
+        if hold.is_set():  # this check stays under way until the test releases it
+            entered.set()
+            assert release.wait(WAIT)
+        return original(self)
+
+    monkeypatch.setattr(Store, "check_schema", check)
+    caller = Caller("sync", loop_thread)
+    settings = {"PROVIDERS": [sandbox_provider], "OPERATION_URL": None, "DATABASE_URL": url}
+    answers: dict[str, Any] = {}
+    with override_settings(PAYORCH=settings):
+        assert caller.post(tenant, key).status_code == 503  # no tables: refused, store kept
+        hold.set()
+        worker = threading.Thread(target=lambda: answers.update(a=caller.post(tenant, key)))
+        worker.start()
+        try:
+            assert entered.wait(WAIT)
+            meanwhile = caller.post(tenant, key)  # answered while the check is held
+            assert meanwhile.status_code == 503 and int(meanwhile["Retry-After"]) >= 1
+            body = json.loads(meanwhile.content)
+            assert body["type"] == "urn:payorch:problem:schema-not-ready"
+            assert len(checked) == 2  # the held one and the first: no check of its own
+            migrate.upgrade(url)
+        finally:
+            release.set()
+            worker.join(WAIT)
+        assert not worker.is_alive() and answers["a"].status_code == 201
+        assert len(checked) == 2 and checked[0] is checked[1] is store()  # one store
+        assert caller.post(tenant, key)["Idempotent-Replayed"] == "true"
+        assert len(checked) == 2 and len(effects(sandbox, tenant)) == 1

@@ -7,6 +7,7 @@ Imported by :mod:`payorch.integrations.django`, which re-exports the public name
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -21,7 +22,7 @@ from django.core.signals import setting_changed
 from django.http import HttpRequest
 from django.utils.module_loading import import_string
 
-from ..errors import ConfigurationError, InvalidTenant
+from ..errors import ConfigurationError, InvalidTenant, PayorchError
 from ..execution._async import AsyncExecutor
 from ..execution._executor import Executor
 from ..forks import reset_in_child
@@ -193,8 +194,16 @@ def _registry(spec: Any, providers: list[Provider]) -> Registry:
 # -- what is built once per process ---------------------------------------------------------
 
 
+_REBUILDS = 3  # a runtime reset (settings changed) while its first check ran: build anew
+
+
 class _Runtime:
-    """The executors, handlers and stores, built on first use under one lock."""
+    """The executors, handlers and stores, built on first use under one lock.
+
+    The sync store's schema check runs outside that lock, one at a time: while it keeps
+    failing (a database away, a schema not migrated), the store is kept and each other
+    request answers the last refusal at once instead of queueing behind a check's I/O.
+    """
 
     def __init__(self) -> None:
         self._forget()
@@ -204,6 +213,7 @@ class _Runtime:
 
     def _forget(self) -> None:
         self.lock = threading.RLock()
+        self.checking = threading.Lock()  # held by the one request running the check
         self.reset()
 
     def reset(self) -> None:
@@ -211,6 +221,9 @@ class _Runtime:
         self.providers: list[Provider] | None = None
         self.registry: Registry | None = None
         self.store: Store | None = None
+        self.checked: Store | None = None  # the sync store whose schema check passed
+        self.refused: PayorchError | None = None  # the last failed check's error
+        self.checks = 0  # checks ended: a request that waited for one takes its answer
         self.executor: Executor | None = None
         self.webhooks: WebhookHandler | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -229,23 +242,58 @@ class _Runtime:
             return self.config, self.providers, self.registry
 
     def sync(self) -> tuple[Executor, WebhookHandler]:
-        with self.lock:
-            if self.executor is None or self.webhooks is None:
-                config, providers, registry = self.settings()
-                store = Store.from_url(config.database_url, outbox_hooks=config.outbox_hooks)
-                try:
-                    # The start-up check, on first use: a schema to upgrade fails every
-                    # request loudly (503, logged), and is looked at again on the next.
-                    store.check_schema()
-                except BaseException:
-                    store.close()
-                    raise
-                self.store = store
-                self.executor = Executor(
-                    store=store, providers=providers, registry=registry, lease=config.lease
-                )
-                self.webhooks = WebhookHandler(store=store, providers=providers)
-            return self.executor, self.webhooks
+        for _ in range(_REBUILDS):
+            with self.lock:
+                if self.executor is not None and self.webhooks is not None:
+                    return self.executor, self.webhooks
+                config, _, _ = self.settings()
+                if self.store is None:  # kept across failed checks: one pool, not one a request
+                    self.store = Store.from_url(
+                        config.database_url, outbox_hooks=config.outbox_hooks
+                    )
+                store = self.store
+            # The start-up check, on first use: a schema to upgrade fails every request
+            # loudly (503, logged), and is looked at again by a later one.
+            self._check(store)
+            with self.lock:
+                if self.store is store:  # not reset (closed) while it was checked
+                    return self._built(store)
+        raise ConfigurationError("settings.PAYORCH kept changing while payorch started")
+
+    def _built(self, store: Store) -> tuple[Executor, WebhookHandler]:
+        if self.executor is None or self.webhooks is None:
+            config, providers, registry = self.settings()
+            self.executor = Executor(
+                store=store, providers=providers, registry=registry, lease=config.lease
+            )
+            self.webhooks = WebhookHandler(store=store, providers=providers)
+        return self.executor, self.webhooks
+
+    def _check(self, store: Store) -> None:
+        """``store.check_schema()`` by one request at a time. Another one arriving while it
+        runs answers the last refusal at once; with none yet (the process's first check)
+        it waits for that check's answer, not for a check of its own."""
+        if self.checked is store:
+            return
+        seen, refused = self.checks, self.refused
+        if not self.checking.acquire(blocking=refused is None):
+            assert refused is not None  # a non-blocking acquire only with one to answer
+            raise copy.copy(refused)  # a fresh error (no traceback shared across threads)
+        try:
+            if self.checked is store:
+                return
+            if self.checks != seen and self.refused is not None:
+                raise copy.copy(self.refused)  # the check this request waited for failed
+            try:
+                store.check_schema()
+            except PayorchError as exc:
+                self.refused = copy.copy(exc)
+                raise
+            finally:
+                self.checks += 1
+            self.checked, self.refused = store, None
+        finally:
+            self.checking.release()
 
     def asynchronous(self) -> tuple[AsyncExecutor, AsyncWebhookHandler]:
         loop = asyncio.get_running_loop()

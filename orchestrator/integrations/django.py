@@ -21,7 +21,7 @@ on the :class:`~payorch.Executor`. Both are built once, lazily, from ``settings.
 Every refusal is an RFC 9457 ``application/problem+json`` answer; nothing is written.
 On first use each runtime checks payorch's schema (``Store.check_schema``): until
 ``payorch db upgrade`` has run, every request answers 503 ``schema-not-ready`` and logs
-the command to run.
+the command to run (one check at a time; the others answer the last refusal at once).
 The tenant always comes from the request (header, path, principal), never from the body.
 """
 
@@ -100,17 +100,25 @@ _UNRESOLVED = "urn:payorch:problem:tenant-unresolved"
 _NOT_ALLOWED = "urn:payorch:problem:method-not-allowed"
 _TOO_LARGE = "urn:payorch:problem:request-body-too-large"
 _INTERNAL = "urn:payorch:problem:error"
-# Django's own refusals, raised by a view (or what it calls) before anything ran: each keeps
-# its status, as Django would answer it, and says so; the key stays unused.
-_NOTHING_RAN = "nothing ran and nothing was stored under this idempotency key"
+# Django's own refusals, raised by a view (or what it calls) before execute(): each keeps
+# its status, as Django would answer it. payorch has not looked at the key, so it cannot
+# say whether an earlier request with it ran (a retry of a paid order may meet a 404 now),
+# and must not look (a 403 would show the caller another's outcome): it says what is true.
+_NOT_LOOKED = (
+    "the application refused this request before payorch looked at its idempotency key, so "
+    "this request started nothing; an earlier request with the same key may have run"
+)
+_SAME_KEY_AGAIN = (
+    "retry the same key, or GET the operation; never use a new key for the same payment"
+)
 _REFUSALS: tuple[tuple[type[Exception], int, str, str, str, int], ...] = (
     (
         PermissionDenied,
         403,
         "urn:payorch:problem:permission-denied",
         "Permission denied",
-        f"the request is not allowed; {_NOTHING_RAN}: fix the request or its credentials "
-        "before sending it again (the same key may be used then)",
+        f"the request is not allowed; {_NOT_LOOKED}: fix the request or its permission, "
+        f"then {_SAME_KEY_AGAIN}",
         logging.INFO,
     ),
     (
@@ -118,7 +126,8 @@ _REFUSALS: tuple[tuple[type[Exception], int, str, str, str, int], ...] = (
         404,
         "urn:payorch:problem:not-found",
         "Not found",
-        f"what the request names does not exist; {_NOTHING_RAN}: fix the request",
+        f"what the request names does not exist (now); {_NOT_LOOKED}: fix the request, "
+        f"then {_SAME_KEY_AGAIN}",
         logging.INFO,
     ),
     (
@@ -127,8 +136,8 @@ _REFUSALS: tuple[tuple[type[Exception], int, str, str, str, int], ...] = (
         400,
         "urn:payorch:problem:suspicious-request",
         "Suspicious request",
-        f"the request was refused as suspicious (its host, headers or fields); "
-        f"{_NOTHING_RAN}: fix the request",
+        "the request was refused as suspicious (its host, headers or fields); "
+        f"{_NOT_LOOKED}: fix the request, then {_SAME_KEY_AGAIN}",
         logging.WARNING,
     ),
     (
@@ -136,7 +145,8 @@ _REFUSALS: tuple[tuple[type[Exception], int, str, str, str, int], ...] = (
         400,
         "urn:payorch:problem:bad-request",
         "Bad request",
-        f"the request was refused as malformed; {_NOTHING_RAN}: fix the request",
+        f"the request was refused as malformed; {_NOT_LOOKED}: fix the request, then "
+        f"{_SAME_KEY_AGAIN}",
         logging.INFO,
     ),
 )
@@ -154,7 +164,21 @@ def _response(answer: HttpAnswer) -> HttpResponse:
     return response
 
 
-def _failure(exc: Exception, mapped: Callable[[Any], HttpAnswer] = http_answer) -> HttpAnswer:
+def _security(exc: SuspiciousOperation, request: HttpRequest, status: int) -> None:
+    # Django's convention (django.core.handlers.exception): every SuspiciousOperation goes
+    # to django.security.<class> at ERROR, where a project's alerting listens for it.
+    name = f"django.security.{type(exc).__name__}"
+    extra = {"status_code": status, "request": request}
+    logging.getLogger(name).error(str(exc), exc_info=exc, extra=extra)
+
+
+def _failure(
+    exc: Exception,
+    request: HttpRequest,
+    mapped: Callable[[Any], HttpAnswer] = http_answer,
+) -> HttpAnswer:
+    if isinstance(exc, SuspiciousOperation):
+        _security(exc, request, 413 if isinstance(exc, RequestDataTooBig) else 400)
     if isinstance(exc, PayorchError):
         if exc.http_status >= 500:  # the client gets a generic detail; the logs the truth
             # A schema to upgrade is one line to act on; a traceback would hide it.
@@ -237,9 +261,11 @@ def idempotent(
     ``HttpResponse`` of its own (then nothing is executed). It may raise a ``PayorchError``
     (e.g. ``RequestValidationFailed``) to refuse, or refuse the Django way:
     ``PermissionDenied`` (403), ``Http404`` (404), ``SuspiciousOperation`` and its
-    subclasses, ``BadRequest`` (400), each answered as problem+json, logged below ERROR,
-    with nothing executed and the key left unused. An ``async def`` view runs on the
-    ``AsyncExecutor``. The view is CSRF-exempt: it needs the ``Idempotency-Key`` header,
+    subclasses, ``BadRequest`` (400), each answered as problem+json, logged below ERROR
+    (a ``SuspiciousOperation`` also to ``django.security.<class>`` at ERROR, as Django
+    does), with nothing executed and the key not looked at: the detail says an earlier
+    request with the same key may have run, and to retry that key. An ``async def`` view
+    runs on the ``AsyncExecutor``. The view is CSRF-exempt: it needs the ``Idempotency-Key`` header,
     which a cross-site form cannot send and a cross-site script cannot without CORS consent.
     """
     if status not in (200, 201):
@@ -302,7 +328,7 @@ def _sync_view(spec: _Spec, view: SyncShape) -> Callable[..., HttpResponse]:
             )
             return spec.answer(request, outcome)
         except Exception as exc:  # noqa: BLE001 - every failure answers problem+json
-            return _response(_failure(exc))
+            return _response(_failure(exc, request))
 
     return run
 
@@ -331,7 +357,7 @@ def _async_view(spec: _Spec, view: AsyncShape) -> Callable[..., Awaitable[HttpRe
             )
             return spec.answer(request, outcome)
         except Exception as exc:  # noqa: BLE001 - every failure answers problem+json
-            return _response(_failure(exc))
+            return _response(_failure(exc, request))
 
     return run
 
@@ -351,7 +377,7 @@ def _sync_webhook(request: HttpRequest, tenant: str, provider: str) -> HttpRespo
         headers = dict(request.headers.items())
         result = webhook_handler().handle_delivery(tenant, provider, headers, request.body)
     except Exception as exc:  # noqa: BLE001 - a 5xx makes the provider re-send it
-        return _response(_failure(exc, webhook_answer))
+        return _response(_failure(exc, request, webhook_answer))
     return _response(webhook_answer(result))
 
 
@@ -367,7 +393,7 @@ async def _async_webhook(request: HttpRequest, tenant: str, provider: str) -> Ht
             tenant, provider, headers, request.body
         )
     except Exception as exc:  # noqa: BLE001 - a 5xx makes the provider re-send it
-        return _response(_failure(exc, webhook_answer))
+        return _response(_failure(exc, request, webhook_answer))
     return _response(webhook_answer(result))
 
 
@@ -396,7 +422,7 @@ def _sync_operation(request: HttpRequest, operation_id: str, **_: Any) -> HttpRe
             return _unresolved()
         record = store().get(validate_tenant(tenant), operation_id)
     except Exception as exc:  # noqa: BLE001 - every failure answers problem+json
-        return _response(_failure(exc))
+        return _response(_failure(exc, request))
     return _operation_answer(Outcome.from_record(record, replayed=False))
 
 
@@ -411,7 +437,7 @@ async def _async_operation(request: HttpRequest, operation_id: str, **_: Any) ->
         await checked_async()
         record = await async_store().get(validate_tenant(tenant), operation_id)
     except Exception as exc:  # noqa: BLE001 - every failure answers problem+json
-        return _response(_failure(exc))
+        return _response(_failure(exc, request))
     return _operation_answer(Outcome.from_record(record, replayed=False))
 
 

@@ -295,11 +295,13 @@ def _missing_schema(err: exc.SQLAlchemyError) -> bool:
 
 def map_db_error(err: exc.SQLAlchemyError) -> StorageError:
     if _missing_schema(err):
-        # The statement named a table this database lacks: the schema was never migrated
-        # (or is older than this install). The database's own words name the table.
+        # The statement named a table or column this database lacks: the schema is older
+        # than this install (never migrated), or a newer payorch's migration changed it.
+        # The database's own words name what is missing.
         return SchemaNotReady(
-            f"payorch's tables are missing or out of date ({_first_line(err)}): "
-            "run `payorch db upgrade` against this database"
+            f"payorch's tables do not match this release ({_first_line(err)}): if the "
+            "database is older than this payorch, run `payorch db upgrade` against it; if a "
+            "newer payorch migrated it, roll the code forward"
         )
     orig = getattr(err, "orig", None)
     if getattr(orig, "sqlstate", None) == "25006":  # read_only_sql_transaction

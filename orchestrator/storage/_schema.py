@@ -3,10 +3,14 @@
 ``Store.check_schema()`` (``await AsyncStore.check_schema()``) is what every process that
 serves payorch runs once as it starts: the FastAPI lifespan, the Django integration's first
 use, the daemon. It reads payorch's revision in one statement (``payorch_alembic_version``)
-and compares it with the newest revision this install carries; anything else is refused
-with :class:`~payorch.errors.SchemaNotReady`, whose message names what was found and what to
-run. Only a refusal reads more (whether payorch's tables exist at all, whether a host's
-Alembic project records payorch's revision in its own ``alembic_version``).
+and compares it with the newest revision this install carries. This install's head passes;
+a revision it does not know passes too, with one WARNING (a newer payorch migrated it: in a
+rolling deploy the migration runs first and the previous release keeps serving, as every
+migration allows unless its changelog says otherwise). Anything else (no tables, an older
+revision, several, tables without one) is refused with :class:`~payorch.errors.SchemaNotReady`,
+whose message names what was found and what to run. Only a refusal reads more (whether
+payorch's tables exist at all, whether a host's Alembic project records payorch's revision
+in its own ``alembic_version``).
 
 The migration scripts are found here too (:func:`script_directory`), so that the storage
 layer knows this install's head without importing :mod:`payorch.migrate`, which is above it.
@@ -15,17 +19,21 @@ layer knows this install's head without importing :mod:`payorch.migrate`, which 
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
+from urllib.parse import quote
 
 import sqlalchemy as sa
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import URL, Connection, Engine
 
-from ..errors import ConfigurationError, SchemaNotReady
+from ..errors import ConfigurationError, SchemaNotReady, StorageError
+from ..observing import _logs as logs
 from ._engine import read_in_transaction, schema_of
 
 __all__ = [
+    "FORWARD_HINT",
     "HOST_VERSION_TABLE",
     "MARKER_TABLE",
     "UPGRADE_HINT",
@@ -34,7 +42,10 @@ __all__ = [
     "check_schema",
     "known_revisions",
     "script_directory",
+    "shown_url",
 ]
+
+_log = logging.getLogger("payorch.db")
 
 VERSION_TABLE = "payorch_alembic_version"
 # Where a host's own Alembic project records payorch's revision when it runs payorch's
@@ -46,6 +57,14 @@ UPGRADE_HINT = (
     "run `payorch db upgrade` against this database (the same URL: PAYORCH_DATABASE_URL or "
     "--database-url), then start again"
 )
+FORWARD_HINT = (
+    "roll the code forward; a migration keeps the previous release working unless its "
+    "changelog says otherwise"
+)
+# A query parameter whose value is a credential (libpq's password, sslpassword; a driver's
+# token): masked like the URL's own password. A path (passfile, sslkey) is shown.
+_SECRET_PARTS = ("password", "passwd", "secret", "token")
+_DENIED = "42501"  # insufficient_privilege
 
 
 def script_directory() -> Path:
@@ -71,13 +90,25 @@ def known_revisions() -> tuple[str, frozenset[str]]:
     return head, frozenset(s.revision for s in script.walk_revisions())
 
 
+def shown_url(url: URL) -> str:
+    """``url`` for a log line or a terminal: its password masked, in the netloc and in the
+    query (``?password=``, ``?sslpassword=``, any parameter naming a secret or token)."""
+    bare = url.set(query={}).render_as_string(hide_password=True)
+    pairs = []
+    for name, value in url.query.items():
+        secret = any(part in name.lower() for part in _SECRET_PARTS)
+        for one in (value,) if isinstance(value, str) else value:
+            pairs.append(f"{quote(name)}={'***' if secret else quote(one, safe='/:,=-')}")
+    return f"{bare}?{'&'.join(pairs)}" if pairs else bare
+
+
 def _where(engine: Engine) -> str:
-    # The URL without its password (the message goes to logs and terminals), and as the
-    # user wrote it: the async API's SQLite driver is payorch's choice, not theirs.
+    # The URL without its credentials (the message goes to logs, terminals, /readyz), and as
+    # the user wrote it: the async API's SQLite driver is payorch's choice, not theirs.
     url = engine.url
     if url.drivername == "sqlite+aiosqlite":
         url = url.set(drivername="sqlite")
-    shown = url.render_as_string(hide_password=True)
+    shown = shown_url(url)
     schema = schema_of(engine)
     return f"{shown} (schema {schema})" if schema not in (None, "public") else shown
 
@@ -102,26 +133,43 @@ def _host_recorded(conn: Connection) -> tuple[bool, list[str]]:
     return True, [str(v) for v in found if str(v).startswith(_PREFIX)]
 
 
+def _stored_or_none(engine: Engine, where: str) -> list[str] | None:
+    """The revisions in payorch's version table; ``None`` if that table is missing."""
+    try:
+        return read_in_transaction(engine, _stored)
+    except SchemaNotReady:  # the statement met no payorch_alembic_version
+        return None
+    except StorageError as err:
+        orig = getattr(err.__cause__, "orig", None)
+        if getattr(orig, "sqlstate", None) != _DENIED:
+            raise
+        raise SchemaNotReady(
+            f"the application's role may not read {VERSION_TABLE} in {where} (permission "
+            f"denied): grant SELECT on {VERSION_TABLE} to the application's role (as on "
+            "payorch's other tables), then start again"
+        ) from err
+
+
 def check_schema(engine: Engine) -> str:
-    """The database's payorch revision, if it is this install's head; else
-    :class:`SchemaNotReady` naming what was found and what to do."""
+    """The database's payorch revision, if it is this install's head or one this install
+    does not know (a newer payorch's: one WARNING); else :class:`SchemaNotReady` naming
+    what was found and what to do."""
     head, known = known_revisions()
     where = _where(engine)
-    try:
-        revisions = read_in_transaction(engine, _stored)
-    except SchemaNotReady:  # no payorch_alembic_version: look closer, this once
+    revisions = _stored_or_none(engine, where)
+    if revisions is None:  # no payorch_alembic_version: look closer, this once
         has_tables, revisions = read_in_transaction(engine, _host_recorded)
         if not has_tables:
             raise SchemaNotReady(
                 f"no payorch tables in {where}; this payorch needs revision {head}: {UPGRADE_HINT}"
-            ) from None
+            )
         if not revisions:
             raise SchemaNotReady(
                 f"payorch's tables exist in {where} but no revision is recorded (neither "
                 f"{VERSION_TABLE} nor {HOST_VERSION_TABLE}): if your own Alembic project "
                 "runs payorch's migrations, run `alembic upgrade heads` there; otherwise "
                 "repair the version table by hand"
-            ) from None
+            )
     if not revisions:
         raise SchemaNotReady(
             f"{VERSION_TABLE} in {where} records no revision; this payorch needs {head}: "
@@ -139,11 +187,18 @@ def check_schema(engine: Engine) -> str:
         raise SchemaNotReady(
             f"{where} is at payorch revision {found}; this payorch needs {head}: {UPGRADE_HINT}"
         )
-    raise SchemaNotReady(
-        f"{where} is at payorch revision {found}, newer than this payorch knows (its newest "
-        f"is {head}): the code is older than the database, likely rolled back; run the "
-        "payorch release that migrated it (`payorch db upgrade` cannot help)"
+    # A newer payorch migrated it: a rolling deploy migrates first, and this release keeps
+    # serving until it is replaced. Said once per start, never refused.
+    logs.emit(
+        _log,
+        logging.WARNING,
+        "database.schema_newer",
+        database=where,
+        found=found,
+        head=head,
+        advice=FORWARD_HINT,
     )
+    return found
 
 
 class SchemaCheck:
@@ -152,7 +207,8 @@ class SchemaCheck:
     engine: Engine
 
     def check_schema(self) -> str:
-        """Refuse to serve on a database whose payorch schema is not this install's:
-        ``SchemaNotReady`` (missing, older: run ``payorch db upgrade``; newer: the code was
-        rolled back). One read; returns the revision. Call it once as a process starts."""
+        """Refuse to serve on a database whose payorch schema is behind this install's:
+        ``SchemaNotReady`` (missing, older: run ``payorch db upgrade``). A newer revision
+        (a newer payorch migrated it) is served, with one WARNING. One read; returns the
+        revision. Call it once as a process starts."""
         return check_schema(self.engine)

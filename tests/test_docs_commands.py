@@ -77,7 +77,7 @@ SUBSTITUTIONS: dict[str, str] = {
 }
 # What a placeholder means in a command group's lines: (its first words) -> {placeholder: value}.
 COMMAND_SUBSTITUTIONS: dict[tuple[str, ...], dict[str, str]] = {
-    ("outbox",): {"ID": "@message", "<id>": "@message"},
+    ("outbox",): {"ID": "@message", "<id>": "@message", "MESSAGE_ID": "@message"},
 }
 # Where one doc line needs another state than the same id elsewhere: (file, a piece of
 # the command) -> {what the doc names: the seeded value}.
@@ -86,6 +86,9 @@ LINE_SUBSTITUTIONS: dict[tuple[str, str], dict[str, str]] = {
     ("docs/operators.md", "--as succeeded --reason x --actor bob --yes"): {
         "01a22bde-9910-7abb-82ec-b51ef341f4ee": "@failed",
     },
+    # README's workflow: a void releases an authorisation, an ack clears a settled flag
+    ("README.md", "ops void <id>"): {"<id>": "@authorisation"},
+    ("README.md", "ops ack <id>"): {"<id>": "@flagged_succeeded"},
 }
 # Commands that run until stopped, and what they print once ready (stdout or stderr).
 LONG_RUNNING: dict[tuple[str, ...], str] = {
@@ -221,6 +224,15 @@ def seed(store: Store) -> dict[str, str]:
         error_code="operator_resolved",
     )
     claim(store, "order-1005", lease=timedelta(seconds=-60), possibly_sent=False, tenant=tenant)
+    authorisation = to_unknown(  # an unknown authorisation: what `ops void` releases
+        store,
+        claim(
+            store,
+            "order-1006",
+            tenant=tenant,
+            request={"amount": 1999, "currency": "EUR", "capture_method": "manual"},
+        ),
+    )
     with store.engine.connect() as conn:  # the receipt the success staged (outbox_apps.hooks)
         message = str(conn.execute(sa.select(outbox.c.id).limit(1)).scalar_one())
     return {
@@ -229,6 +241,7 @@ def seed(store: Store) -> dict[str, str]:
         "flagged_unknown": flagged.id,
         "flagged_succeeded": contradicted.id,
         "failed": failed.id,
+        "authorisation": authorisation.id,
         "reference": "sbx_doc_1003",
     }
 

@@ -2,7 +2,8 @@
 
 ``serve`` exposes everything the sandbox server can do (docs/sandbox.md): fault rates and
 one-shot faults, base latency, status lag, settling and webhook delays, webhook targets and
-their signing secret. A bad value is a one-line usage error (exit 2) before anything listens.
+their signing secret. A bad value is a one-line usage error (exit 2) before anything listens,
+a duration beyond what its flag takes too (the server's bounds, ``MAX_*`` in its module).
 """
 
 from __future__ import annotations
@@ -21,20 +22,23 @@ __all__ = ["sandbox_app"]
 
 sandbox_app = typer.Typer(help="The sandbox acquirer (loopback only).", no_args_is_help=True)
 
-_MILLIS = re.compile(r"(\d+(?:\.\d+)?)ms")
+# ASCII digits only: \d takes other scripts' digits, and str.isdigit() superscripts too.
+_MILLIS = re.compile(r"([0-9]+(?:\.[0-9]+)?)ms")
+_COUNT = re.compile(r"[0-9]+")
 MAX_FAULT_TIMES = 10_000  # one-shot faults one --fault-next may queue
 SECRET_ENV = "PAYORCH_SANDBOX_WEBHOOK_SECRET"  # noqa: S105 - the variable's name
 
 
-def _duration(text: str) -> timedelta:
-    """A duration as the other commands take it (30s, 15m, 2h, 1h30m), or in ms (250ms)."""
+def _duration(text: str) -> float:
+    """Seconds of a duration as the other commands take it (30s, 15m, 2h, 1h30m), or in ms
+    (250ms); not bounded here (see _seconds)."""
     value = text.strip().lower()
     millis = _MILLIS.fullmatch(value)
     if millis is not None:
-        return timedelta(milliseconds=float(millis.group(1)))
+        return float(millis.group(1)) / 1000  # inf for an absurd number: refused by the caller
     if value == "0":
-        return timedelta(0)
-    return parse_duration(text)
+        return 0.0
+    return parse_duration(text).total_seconds()
 
 
 def _fault_names() -> str:
@@ -85,7 +89,13 @@ def _fault_queue(values: list[str]) -> list[tuple[str, int]]:
             raise typer.BadParameter(
                 f"unknown fault {name.strip()!r}; known: {_fault_names()}"
             ) from None
-        times = int(count) if sep and count.strip().isdigit() else -1 if sep else 1
+        count = count.strip()
+        if not sep:
+            times = 1
+        elif _COUNT.fullmatch(count) and len(count) <= len(str(MAX_FAULT_TIMES)):
+            times = int(count)  # the length bound keeps int() within its digit limit
+        else:
+            times = -1
         if not 1 <= times <= MAX_FAULT_TIMES:
             raise typer.BadParameter(
                 f"{value!r}: N must be a whole number from 1 to {MAX_FAULT_TIMES}"
@@ -94,11 +104,41 @@ def _fault_queue(values: list[str]) -> list[tuple[str, int]]:
     return queue
 
 
-def _seconds(value: str, flag: str) -> float:
+def _limits() -> dict[str, float]:
+    """The longest DURATION each flag takes, in seconds: the server's own bounds."""
+    from ..providers.sandbox._server import MAX_REQUEST_WAIT, MAX_SPAN, MAX_WEBHOOK_DELAY
+
+    return {
+        "--latency": MAX_REQUEST_WAIT,
+        "--jitter": MAX_REQUEST_WAIT,
+        "--status-lag": MAX_SPAN,
+        "--settle-after": MAX_SPAN,
+        "--idempotency-window": MAX_SPAN,
+        "--drop-hold": MAX_REQUEST_WAIT,
+        "--trickle-interval": MAX_REQUEST_WAIT,
+        "--webhook-delay": MAX_WEBHOOK_DELAY,
+    }
+
+
+def _limit_text(seconds: float) -> str:
+    for unit, size in (("100 years", 100 * 365 * 86400.0), ("1d", 86400.0), ("1h", 3600.0)):
+        if seconds == size:
+            return unit
+    return f"{seconds:g}s"
+
+
+def _seconds(value: str, flag: str, limit: float) -> float:
     try:
-        return _duration(value).total_seconds()
+        seconds = _duration(value)
     except typer.BadParameter as exc:
         raise typer.BadParameter(exc.message, param_hint=flag) from None
+    except (OverflowError, ValueError):  # a number too large for the arithmetic
+        seconds = math.inf
+    if not seconds <= limit:
+        raise typer.BadParameter(
+            f"{value!r} is too long: at most {_limit_text(limit)}", param_hint=flag
+        )
+    return seconds
 
 
 def _span(help_text: str) -> typer.models.OptionInfo:
@@ -146,11 +186,11 @@ def serve_cmd(
     ] = None,
     latency: Annotated[
         str,
-        _span("Delay every API request this long before handling it (e.g. 250ms, 2s)."),
+        _span("Delay every API request this long before handling it (e.g. 250ms, 2s; at most 1h)."),
     ] = "0",
     jitter: Annotated[
         str,
-        _span("Add a seeded random delay of up to this much to every API request."),
+        _span("Add a seeded random delay of up to this much to every API request (at most 1h)."),
     ] = "0",
     status_lag: Annotated[
         str,
@@ -170,11 +210,13 @@ def serve_cmd(
     ] = 1,
     drop_hold: Annotated[
         str,
-        _span("How long drop_after holds the connection before closing it unanswered."),
+        _span(
+            "How long drop_after holds the connection before closing it unanswered (at most 1h)."
+        ),
     ] = "30s",
     trickle_interval: Annotated[
         str,
-        _span("The pause between two bytes of a trickled answer."),
+        _span("The pause between two bytes of a trickled answer (at most 1h)."),
     ] = "50ms",
     webhook_url: Annotated[
         list[str] | None,
@@ -189,7 +231,10 @@ def serve_cmd(
     ] = None,
     webhook_delay: Annotated[
         str,
-        _span("Post each event this long after it happened (a notification lags the answer)."),
+        _span(
+            "Post each event this long after it happened (a notification lags the answer; "
+            "at most 1d)."
+        ),
     ] = "0",
     webhook_secret: Annotated[
         str | None,
@@ -214,19 +259,17 @@ def serve_cmd(
         queue = _fault_queue(fault_next or [])
     except typer.BadParameter as exc:
         raise typer.BadParameter(exc.message, param_hint="--fault-next") from None
-    spans = {
-        flag: _seconds(value, flag)
-        for flag, value in (
-            ("--latency", latency),
-            ("--jitter", jitter),
-            ("--status-lag", status_lag),
-            ("--settle-after", settle_after),
-            ("--idempotency-window", idempotency_window),
-            ("--drop-hold", drop_hold),
-            ("--trickle-interval", trickle_interval),
-            ("--webhook-delay", webhook_delay),
-        )
+    given = {
+        "--latency": latency,
+        "--jitter": jitter,
+        "--status-lag": status_lag,
+        "--settle-after": settle_after,
+        "--idempotency-window": idempotency_window,
+        "--drop-hold": drop_hold,
+        "--trickle-interval": trickle_interval,
+        "--webhook-delay": webhook_delay,
     }
+    spans = {flag: _seconds(given[flag], flag, limit) for flag, limit in _limits().items()}
     secret = webhook_secret if webhook_secret is not None else settings().sandbox_webhook_secret
     # Where a bad secret came from, for the one-line error.
     secret_source = "--webhook-secret" if webhook_secret is not None else SECRET_ENV

@@ -4,7 +4,7 @@ The commands are the lines of README.md's and docs/*.md's fenced blocks marked `
 ``shell``, ``bash`` or ``console`` that start with ``payorch `` or ``$ payorch `` (leading
 ``NAME=value`` assignments are the command's environment; a trailing ``\\`` continues it;
 ``# …`` is a comment; what follows an unquoted ``|`` is the reader's, not payorch's, and is
-left out). ``make …`` lines, and README's ``make demo``/``make test``, are not run again
+left out, as is a trailing ``&``). ``make …`` lines, and README's ``make demo``/``make test``, are not run again
 (the suite is one of them): each must name a Makefile target. Blocks marked ``text`` or
 ``python`` are illustrations and are not read.
 
@@ -284,6 +284,8 @@ def argv_of(command: DocCommand, roles: dict[str, str]) -> tuple[list[str], dict
     words = shlex.split(command.text, comments=True)
     if "|" in words:
         words = words[: words.index("|")]
+    if words and words[-1] == "&":  # backgrounded in the reader's shell: run as any other
+        words = words[:-1]
     env: dict[str, str] = {}
     while words and "=" in words[0] and not words[0].startswith("-"):
         name, _, value = words.pop(0).partition("=")

@@ -145,8 +145,45 @@ BAD_FLAGS = {
     "unknown one-shot fault": (["--fault-next", "meteor"], "--fault-next", "unknown fault"),
     "one-shot count 0": (["--fault-next", "timeout:0"], "--fault-next", "whole number"),
     "one-shot count not a number": (["--fault-next", "timeout:x"], "--fault-next", "whole"),
+    # "²".isdigit() is true, int("²") is not: only ASCII digits are a count.
+    "one-shot count a superscript": (["--fault-next", "timeout:²"], "--fault-next", "whole"),
+    "one-shot count past int's digits": (
+        ["--fault-next", "timeout:" + "9" * 5000],
+        "--fault-next",
+        "whole",
+    ),
     "bad duration": (["--latency", "soon"], "--latency", "not a duration"),
     "bad webhook delay": (["--webhook-delay", "-1s"], "--webhook-delay", "not a duration"),
+    # Milliseconds beyond what a timedelta holds, and beyond what a wait takes.
+    "latency past a timedelta": (
+        ["--latency", "99999999999999999999ms"],
+        "--latency",
+        "at most 1h",
+    ),
+    "latency past an hour in ms": (["--latency", "9999999999999ms"], "--latency", "at most 1h"),
+    "latency past an hour": (["--latency", "2h"], "--latency", "at most 1h"),
+    "jitter past an hour": (["--jitter", "61m"], "--jitter", "at most 1h"),
+    "drop hold past an hour": (["--drop-hold", "1d"], "--drop-hold", "at most 1h"),
+    "webhook delay past a day in ms": (
+        ["--webhook-delay", "9999999999999ms"],
+        "--webhook-delay",
+        "at most 1d",
+    ),
+    "status lag past 100 years in ms": (
+        ["--status-lag", "9999999999999999ms"],
+        "--status-lag",
+        "at most 100 years",
+    ),
+    "webhook target port not a number": (
+        ["--webhook-url", "http://127.0.0.1:abc/hook"],
+        "--webhook-url",
+        "host[:port]",
+    ),
+    "webhook target port out of range": (
+        ["--webhook-url", "http://127.0.0.1:99999/hook"],
+        "--webhook-url",
+        "1..65535",
+    ),
     "webhook target not loopback": (
         ["--webhook-url", "http://192.0.2.1/hook"],
         "--webhook-url",

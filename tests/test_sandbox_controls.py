@@ -5,6 +5,7 @@ flush, and settlements that go out without anyone reading."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -16,8 +17,9 @@ import httpx
 import pytest
 from standardwebhooks.webhooks import Webhook
 
-from payorch.providers.sandbox import Fault, SandboxServer
+from payorch.providers.sandbox import Fault, SandboxServer, _webhooks
 from payorch.providers.sandbox._faults import FaultPlan, parse_fault
+from payorch.providers.sandbox._server import MAX_REQUEST_WAIT, MAX_WEBHOOK_DELAY
 
 PAYMENT = {
     "amount": 1250,
@@ -280,6 +282,74 @@ def test_a_bad_webhook_target_is_refused_at_construction() -> None:
         SandboxServer(webhook_url="http://127.0.0.1:1/{shop}")
     with pytest.raises(ValueError, match="http"):
         SandboxServer(webhook_url="ftp://127.0.0.1/hook")
+    # Parsed as the sender parses it: a port that is not a number, or out of range.
+    with pytest.raises(ValueError, match="Invalid port"):
+        SandboxServer(webhook_url=["http://127.0.0.1:1/ok", "http://127.0.0.1:abc/hook"])
+    with pytest.raises(ValueError, match=r"1\.\.65535"):
+        SandboxServer(webhook_url="http://127.0.0.1:99999/hook")
+    with pytest.raises(ValueError, match="host"):
+        SandboxServer(webhook_url="http://[::1/hook")
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("webhook_delay", MAX_WEBHOOK_DELAY + 1),
+        ("webhook_delay", 1e10),  # Condition.wait() would overflow
+        ("latency", MAX_REQUEST_WAIT + 1),
+        ("jitter", timedelta(days=2)),
+        ("drop_hold_seconds", 10**400),  # too large for a float
+        ("status_lag", timedelta(days=365 * 101)),
+    ],
+)
+def test_a_duration_beyond_its_bound_is_refused_at_construction(setting: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=setting):
+        SandboxServer(**{setting: value})
+
+
+def test_a_post_that_fails_otherwise_counts_as_failed_and_the_sender_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A tenant that makes the filled-in URL longer than httpx takes: InvalidURL at the post,
+    # not an httpx.HTTPError.
+    huge = {**PAYMENT, "metadata": {"payorch_tenant_id": "t" * 70_000}}
+    caplog.set_level(logging.WARNING, logger=_webhooks.__name__)
+    with (
+        Receiver() as receiver,
+        SandboxServer(webhook_url=f"{receiver.url}/hooks/{{tenant}}") as sb,
+        httpx.Client(base_url=sb.url, timeout=5.0) as client,
+    ):
+        assert pay(client, "k1", huge).status_code == 200
+        assert pay(client, "k2").status_code == 200
+        assert receiver.wait_for(1)  # the next event still went out
+        stats = done(sb)
+    assert [path for path, _, _ in receiver.received] == ["/hooks/shop-1"]
+    assert stats == {"events": 2, "sent": 1, "failed": 1, "waiting": 0}
+    (warning,) = [r for r in caplog.records if r.name == _webhooks.__name__]
+    assert warning.levelno == logging.WARNING and "InvalidURL" in warning.getMessage()
+
+
+def test_events_past_the_waiting_bound_count_as_failed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_webhooks, "MAX_WAITING", 2)
+    caplog.set_level(logging.WARNING, logger=_webhooks.__name__)
+    with (
+        Receiver() as receiver,
+        SandboxServer(webhook_url=f"{receiver.url}/hook", webhook_delay=3600.0) as sb,
+        httpx.Client(base_url=sb.url, timeout=5.0) as client,
+    ):
+        for key in ("k1", "k2", "k3", "k4"):
+            pay(client, key)
+        full = sb.webhook_stats()
+        assert sb.flush_webhooks() == 2
+        assert receiver.wait_for(2)
+        stats = done(sb)
+    assert full == {"events": 4, "sent": 0, "failed": 2, "waiting": 2}
+    assert stats == {"events": 4, "sent": 2, "failed": 2, "waiting": 0}
+    assert len(receiver.received) == 2
+    # Warned once for the overflow, not once per event dropped.
+    assert len([r for r in caplog.records if "are waiting" in r.getMessage()]) == 1
 
 
 def test_describe_names_the_settings() -> None:

@@ -25,16 +25,15 @@ from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
 from typing import Any, cast
-from urllib.parse import urlsplit
 
 from standardwebhooks.webhooks import EmptyWebhookSecretError, Webhook
 
 from ._api import Acquirer, CommitGate, error_reply
 from ._faults import Fault, FaultPlan
 from ._ledger import Clock, EffectStatus
-from ._webhooks import TENANT_PLACEHOLDER, Outbox, WebhookDelivery, generate_secret
+from ._webhooks import MAX_DELAY, Outbox, WebhookDelivery, check_target, generate_secret
 
-__all__ = ["SandboxServer", "serve"]
+__all__ = ["MAX_REQUEST_WAIT", "MAX_SPAN", "MAX_WEBHOOK_DELAY", "SandboxServer", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +43,12 @@ SHUTDOWN_GRACE = 2.0  # seconds stop() waits for connection threads
 # How often "processing" effects are settled when nothing reads them: with a webhook target
 # their event must go out on time, not at the next status query.
 SETTLE_TICK = 0.1  # seconds
+# The longest each setting may be, in seconds. A request waits its latency and jitter, a
+# dropped or trickled answer its hold and pauses: an hour each is already "never" to a
+# client. Windows and lags are clock arithmetic only: the CLI's 100-year bound.
+MAX_REQUEST_WAIT = 3600.0
+MAX_WEBHOOK_DELAY = MAX_DELAY
+MAX_SPAN = 100 * 365 * 86400.0
 
 
 def _is_loopback(host: str) -> bool:
@@ -55,10 +60,15 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _seconds(value: timedelta | float, name: str) -> float:
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+def _seconds(value: timedelta | float, name: str, limit: float = MAX_SPAN) -> float:
+    try:
+        seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    except OverflowError:  # an int too large for a float
+        seconds = math.inf
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"{name} must be a finite, non-negative duration")
+    if seconds > limit:
+        raise ValueError(f"{name} must be at most {limit:g} seconds")
     return seconds
 
 
@@ -87,13 +97,16 @@ class SandboxServer:
         """``webhook_url``: one or more targets each event is posted to, ``webhook_delay``
         after it happened; ``{tenant}`` in a target is the effect's tenant. ``latency`` and
         ``jitter``: every API request waits ``latency`` plus a uniform draw up to ``jitter``
-        (seeded) before it is handled. docs/sandbox.md describes every setting."""
+        (seeded) before it is handled. ValueError for a setting out of range: latency,
+        jitter, drop hold and trickle interval at most ``MAX_REQUEST_WAIT``, the webhook
+        delay at most ``MAX_WEBHOOK_DELAY``, the rest at most ``MAX_SPAN`` seconds; a target
+        that is not a loopback http(s) URL with a valid port. docs/sandbox.md describes
+        every setting."""
         if not _is_loopback(host):
             raise ValueError(f"the sandbox only listens on loopback, not {host!r}")
         targets = (webhook_url,) if isinstance(webhook_url, str) else tuple(webhook_url or ())
         for target in targets:
-            filled = target.replace(TENANT_PLACEHOLDER, "t")
-            if not _is_loopback(urlsplit(filled).hostname or ""):
+            if not _is_loopback(check_target(target)):
                 raise ValueError(f"the sandbox only delivers webhooks to loopback URLs: {target}")
         if not 0 <= port <= 65535:
             raise ValueError(f"invalid port {port}")
@@ -113,15 +126,15 @@ class SandboxServer:
             clock=clock,
             url=targets,
             stop=self._stop,
-            delay=_seconds(webhook_delay, "webhook_delay"),
+            delay=_seconds(webhook_delay, "webhook_delay", MAX_WEBHOOK_DELAY),
         )
         # Kept as given, for describe(): what the server was started with.
         self._settings = {
             "idempotency window": _seconds(idempotency_window, "idempotency_window"),
             "status lag": _seconds(status_lag, "status_lag"),
             "settle after": _seconds(settle_after, "settle_after"),
-            "drop hold": _seconds(drop_hold_seconds, "drop_hold_seconds"),
-            "trickle interval": _seconds(trickle_interval, "trickle_interval"),
+            "drop hold": _seconds(drop_hold_seconds, "drop_hold_seconds", MAX_REQUEST_WAIT),
+            "trickle interval": _seconds(trickle_interval, "trickle_interval", MAX_REQUEST_WAIT),
         }
         self._retry_after = retry_after
         self._acquirer = Acquirer(
@@ -129,8 +142,8 @@ class SandboxServer:
             faults=FaultPlan(
                 fault_rates,
                 seed=seed,
-                latency=_seconds(latency, "latency"),
-                jitter=_seconds(jitter, "jitter"),
+                latency=_seconds(latency, "latency", MAX_REQUEST_WAIT),
+                jitter=_seconds(jitter, "jitter", MAX_REQUEST_WAIT),
             ),
             outbox=outbox,
             window=self._settings["idempotency window"],
@@ -221,7 +234,7 @@ class SandboxServer:
 
     def advance(self, seconds: float | timedelta) -> None:
         """Move the server clock forward (idempotency window, status lag, settling)."""
-        self._acquirer.clock.advance(_seconds(seconds, "seconds"))
+        self._acquirer.clock.advance(_seconds(seconds, "seconds", math.inf))
         self._acquirer.ledger.settle_due()
 
     def inject(self, fault: Fault | str, times: int = 1) -> None:

@@ -3,7 +3,9 @@
 Every event is kept (``deliveries()``); with target URLs set, one thread posts each event
 to each target, ``delay`` seconds after it happened (an acquirer's notifications lag its
 answers), retrying a few times. A target may name the tenant, ``{tenant}``, filled in from
-the effect's ``payorch_tenant_id`` tag: payorch's webhook routes are per tenant.
+the effect's ``payorch_tenant_id`` tag: payorch's webhook routes are per tenant. A post
+that fails in any way counts as failed and the thread goes on with the next; at most
+``MAX_WAITING`` events wait at a time (more count as failed for every target).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import queue
 import secrets
 import threading
@@ -19,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import httpx
 from standardwebhooks.webhooks import Webhook
@@ -27,26 +30,46 @@ from standardwebhooks.webhooks import Webhook
 from ...provider import TAG_TENANT
 from ._ledger import Clock
 
-__all__ = ["TENANT_PLACEHOLDER", "Outbox", "WebhookDelivery", "generate_secret", "target_url"]
+__all__ = [
+    "MAX_DELAY",
+    "MAX_WAITING",
+    "TENANT_PLACEHOLDER",
+    "Outbox",
+    "WebhookDelivery",
+    "check_target",
+    "generate_secret",
+    "target_url",
+]
 
 log = logging.getLogger(__name__)
 
 DELIVERY_ATTEMPTS = 3
 DELIVERY_TIMEOUT = httpx.Timeout(connect=1.0, read=2.0, write=2.0, pool=1.0)
 RETRY_BASE_DELAY = 0.05  # seconds, doubled per attempt
+MAX_DELAY = 86_400.0  # seconds an event may wait before it is posted: one day
+# Events waiting to be posted at most: a long delay under load must not eat the memory.
+MAX_WAITING = 10_000
 TENANT_PLACEHOLDER = "{tenant}"
 # What a pre-namespace request carried instead of the payorch_tenant_id tag.
 _LEGACY_TENANT = "tenant_id"
 
 
-def check_target(url: str) -> None:
-    """ValueError unless ``url`` is an http(s) URL, with ``{tenant}`` its only placeholder."""
+def check_target(url: str) -> str:
+    """The host of ``url``; ValueError unless it is an http(s) URL with a host and a valid
+    port (1..65535), ``{tenant}`` its only placeholder."""
     filled = url.replace(TENANT_PLACEHOLDER, "t")
     if "{" in filled or "}" in filled:
         raise ValueError(f"webhook URL {url!r}: the only placeholder is {TENANT_PLACEHOLDER}")
-    parts = urlsplit(filled)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    # Parsed as the sender will parse it: what passes here cannot fail to parse there.
+    try:
+        parsed = httpx.URL(filled)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"webhook URL {url!r} is not http(s)://host[:port]/path: {exc}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
         raise ValueError(f"webhook URL {url!r} is not http(s)://host[:port]/path")
+    if parsed.port is not None and not 1 <= parsed.port <= 65535:
+        raise ValueError(f"webhook URL {url!r}: the port must be within 1..65535")
+    return parsed.host
 
 
 def target_url(template: str, effect: dict[str, Any]) -> str | None:
@@ -98,6 +121,8 @@ class Outbox:
         self._urls: tuple[str, ...] = (url,) if isinstance(url, str) else tuple(url or ())
         for target in self._urls:
             check_target(target)
+        if not (math.isfinite(delay) and 0.0 <= delay <= MAX_DELAY):
+            raise ValueError(f"webhook_delay must be within 0..{MAX_DELAY:g} seconds")
         self._delay = delay
         self._stop = stop
         self._lock = threading.Lock()
@@ -110,6 +135,7 @@ class Outbox:
         self._waiting = 0
         self._sent = 0
         self._failed = 0
+        self._overflowing = False  # the queue is full: warned once until it drains
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -127,7 +153,8 @@ class Outbox:
 
     @property
     def failed(self) -> int:
-        """Posts that failed every attempt, or had no tenant for a ``{tenant}`` target."""
+        """Posts that failed every attempt or with an error that a retry cannot mend, had no
+        tenant for a ``{tenant}`` target, or were dropped as ``MAX_WAITING`` events waited."""
         with self._lock:
             return self._failed
 
@@ -174,10 +201,22 @@ class Outbox:
         )
         with self._lock:
             self._deliveries.append(delivery)
-            if self._urls:
-                self._waiting += 1
-                due = time.monotonic() + self._delay
-                self._queue.put(_Queued(delivery, effect, due, len(self._deliveries)))
+            if not self._urls:
+                return delivery
+            if self._waiting >= MAX_WAITING:
+                self._failed += len(self._urls)  # one post per target that will not happen
+                if not self._overflowing:
+                    log.warning(
+                        "sandbox webhooks: %d events are waiting; later events are not "
+                        "posted (counted as failed) until they drain",
+                        MAX_WAITING,
+                    )
+                self._overflowing = True
+                return delivery
+            self._overflowing = False
+            self._waiting += 1
+            due = time.monotonic() + self._delay
+            self._queue.put(_Queued(delivery, effect, due, len(self._deliveries)))
         return delivery
 
     def deliveries(self) -> list[WebhookDelivery]:
@@ -205,20 +244,17 @@ class Outbox:
                 item = self._queue.get()
                 if item is None or not self._wait_until_due(item):
                     return
-                for template in self._urls:
-                    url = target_url(template, item.effect)
-                    if url is None:
-                        log.warning(
-                            "webhook %s: no tenant for %s", item.delivery.event_id, template
-                        )
-                    ok = url is not None and self._deliver(client, url, item.delivery)
+                try:
+                    for template in self._urls:
+                        ok = self._post(client, template, item)
+                        with self._lock:
+                            if ok:
+                                self._sent += 1
+                            else:
+                                self._failed += 1
+                finally:
                     with self._lock:
-                        if ok:
-                            self._sent += 1
-                        else:
-                            self._failed += 1
-                with self._lock:
-                    self._waiting -= 1
+                        self._waiting -= 1
 
     def _wait_until_due(self, item: _Queued) -> bool:
         """Wait out ``item``'s delay (flush() cuts it short); False once stopping."""
@@ -227,10 +263,28 @@ class Outbox:
                 left = item.due - time.monotonic()
                 if left <= 0:
                     break
-                self._wake.wait(left)
+                self._wake.wait(min(left, threading.TIMEOUT_MAX))
             return not self._stop.is_set()
 
+    def _post(self, client: httpx.Client, template: str, item: _Queued) -> bool:
+        """Post ``item`` to one target; False, logged, whatever went wrong."""
+        event_id = item.delivery.event_id
+        try:
+            url = target_url(template, item.effect)
+            if url is None:
+                log.warning("webhook %s: no tenant for %s", event_id, template)
+                return False
+            return self._deliver(client, url, item.delivery)
+        except Exception as exc:  # one bad post must not stop the sender
+            log.warning(
+                "webhook %s to %s failed: %s: %s", event_id, template, type(exc).__name__, exc
+            )
+            log.debug("webhook %s failed", event_id, exc_info=True)
+            return False
+
     def _deliver(self, client: httpx.Client, url: str, delivery: WebhookDelivery) -> bool:
+        """True once ``url`` answers 2xx; False after the last attempt. An error other than
+        an HTTP one (an unusable URL) is raised: retrying it cannot help."""
         for attempt in range(DELIVERY_ATTEMPTS):
             if attempt and self._stop.wait(RETRY_BASE_DELAY * 2**attempt):
                 return False

@@ -4,9 +4,9 @@ The commands are the lines of README.md's and docs/*.md's fenced blocks marked `
 ``shell``, ``bash`` or ``console`` that start with ``payorch `` or ``$ payorch `` (leading
 ``NAME=value`` assignments are the command's environment; a trailing ``\\`` continues it;
 ``# …`` is a comment; what follows an unquoted ``|`` is the reader's, not payorch's, and is
-left out, as is a trailing ``&``). ``make …`` lines, and README's ``make demo``/``make test``, are not run again
-(the suite is one of them): each must name a Makefile target. Blocks marked ``text`` or
-``python`` are illustrations and are not read.
+left out, as is a trailing ``&``). ``make …`` lines, and README's ``make demo``/``make
+test``, are not run again (the suite is one of them): each must name a Makefile target.
+Blocks marked ``text`` or ``python`` are illustrations and are not read.
 
 Each command runs as a real process on its own copy of one throwaway SQLite database
 (``PAYORCH_DATABASE_URL``), migrated with ``payorch db upgrade`` and seeded through the

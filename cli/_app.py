@@ -35,10 +35,16 @@ def _one_line(message: str) -> None:
     err().print(f"error: {' '.join(message.split())}", markup=False, highlight=False)
 
 
-def _usage_exit(exc: typer.TyperException) -> NoReturn:
+def _usage_exit(exc: typer.TyperException, root: Any) -> NoReturn:
     # Typer's own rendering is a multi-line box; operators and scripts get one line.
     if type(exc).__name__ != "NoArgsIsHelpError":  # that one has printed the help already
-        _one_line(f"{exc.format_message()} (see --help)")
+        name = getattr(exc, "option_name", None)
+        globals_ = {opt for param in root.params for opt in getattr(param, "opts", ())}
+        if type(exc).__name__ == "NoSuchOption" and name in globals_:
+            hint = f"{name} is a global option: put it before the command (payorch {name} …)"
+            _one_line(f"{exc.format_message()}; {hint}")
+        else:
+            _one_line(f"{exc.format_message()} (see --help)")
     sys.exit(exc.exit_code)
 
 
@@ -94,7 +100,7 @@ class _Group(TyperGroup):
                     args, prog_name, complete_var, False, windows_expand_args, **extra
                 )
         except typer.TyperException as exc:  # usage errors: exit 2
-            _usage_exit(exc)
+            _usage_exit(exc, self)
         except typer.Abort:
             _one_line("aborted")
             sys.exit(1)
@@ -185,9 +191,16 @@ def db_current(database_url_: DatabaseUrl = None) -> None:
     from .. import migrate
 
     url = database_url(database_url_)
+    from ..storage._schema import known_revisions
+
     current = migrate.current_revision(url)
     head = migrate.head_revision()
-    state = "up to date" if current == head else "needs `payorch db upgrade`"
+    if current == head:
+        state = "up to date"
+    elif current is not None and current not in known_revisions()[1]:
+        state = "newer than this payorch: roll the code forward"
+    else:
+        state = "needs `payorch db upgrade`"
     out().print(f"current: {current or 'none'}  head: {head}  ({state})")
 
 

@@ -1,6 +1,7 @@
 """payorch behind FastAPI, against the loopback sandbox: one dependency per endpoint.
 
-Run it (SQLite by default, or set PAYORCH_DATABASE_URL; `pip install 'payorch[fastapi]'`):
+Run it from a checkout (SQLite by default, or set PAYORCH_DATABASE_URL; install with
+`pip install '.[fastapi]'`):
 
     export PAYORCH_SANDBOX_WEBHOOK_SECRET=whsec_c2FuZGJveC1yZWNpcGUtc2VjcmV0LTEyMzQ1Ng==
     payorch sandbox serve --webhook-url 'http://127.0.0.1:8000/webhooks/{tenant}/sandbox' &

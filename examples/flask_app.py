@@ -1,17 +1,20 @@
 """payorch behind Flask, against the loopback sandbox: one decorator per view.
 
-Run it (SQLite by default, or set PAYORCH_DATABASE_URL; `pip install 'payorch[flask]'`):
+Run it from a checkout (SQLite by default, or set PAYORCH_DATABASE_URL; install with
+`pip install '.[flask]'`):
 
-    payorch sandbox serve                        # another terminal; prints its webhook secret
-    export PAYORCH_SANDBOX_WEBHOOK_SECRET=whsec_...
+    export PAYORCH_SANDBOX_WEBHOOK_SECRET=whsec_c2FuZGJveC1yZWNpcGUtc2VjcmV0LTEyMzQ1Ng==
+    payorch sandbox serve --webhook-url 'http://127.0.0.1:8000/webhooks/{tenant}/sandbox' &
     payorch db upgrade
     flask --app examples/flask_app.py run --port 8000
     curl -i localhost:8000/payments -H 'X-Tenant-Id: shop-1' -H 'Idempotency-Key: "order-1"' \
          -H 'Content-Type: application/json' -d '{"amount": 1999, "currency": "EUR"}'
 
 Without `payorch db upgrade` the app refuses to start and says so. An unknown outcome (a
-202) is settled by `payorch reconcile run`, or by a signed webhook the provider posts to
-/webhooks/<tenant>/sandbox.
+202) is settled by evidence: the sandbox's signed webhook, which it posts to this app's
+`POST /webhooks/<tenant>/sandbox` when started with `--webhook-url` as above (signed with the
+secret both read from PAYORCH_SANDBOX_WEBHOOK_SECRET), or, without a webhook target,
+`payorch reconcile once` / `payorch reconcile run` asking the sandbox.
 """
 
 from flask import Flask, Response

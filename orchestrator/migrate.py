@@ -91,8 +91,9 @@ def _inspect(url: str | URL) -> tuple[list[str], bool]:
         engine.dispose()
 
 
-def _check_known(url: str | URL) -> list[str]:
-    """Refuse, in one line, a database payorch cannot safely migrate."""
+def _check_known(url: str | URL, *, newer: bool = False) -> list[str]:
+    """Refuse, in one line, a database payorch cannot safely migrate (``newer``: a revision
+    this install does not know is returned, not refused: reading it is safe)."""
     if normalise_url(url).get_backend_name() == "sqlite" and not _sqlite_exists(url):
         return []
     revisions, has_marker = _inspect(url)
@@ -109,7 +110,7 @@ def _check_known(url: str | URL) -> list[str]:
         )
     known = {s.revision for s in ScriptDirectory(str(script_directory())).walk_revisions()}
     unknown = [r for r in revisions if r not in known]
-    if unknown:
+    if unknown and not newer:
         raise ConfigurationError(
             f"database is at payorch revision {', '.join(unknown)}, which this version of "
             "payorch does not know: install the payorch release that migrated it"
@@ -153,6 +154,7 @@ def head_revision() -> str | None:
 
 
 def current_revision(url: str | URL) -> str | None:
-    """payorch's revision in this database (None: not set up yet)."""
-    revisions = _check_known(url)
+    """payorch's revision in this database (None: not set up yet), also one a newer payorch
+    wrote (a rolling deploy that migrated first)."""
+    revisions = _check_known(url, newer=True)
     return revisions[0] if revisions else None

@@ -309,3 +309,12 @@ def test_readyz_names_the_upgrade_when_the_schema_falls_behind(store: Store) -> 
 @pytest.fixture
 def world(store: Store) -> World:
     return make_world(store)
+
+
+@pytest.mark.parametrize("flag", ["--log-format", "--log-level"])
+def test_a_global_flag_after_the_command_says_where_it_goes(flag: str) -> None:
+    value = "json" if flag == "--log-format" else "info"
+    result = runner.invoke(app, ["reconcile", "run", flag, value])
+    assert result.exit_code == 2
+    line = one_error_line(result)
+    assert f"{flag} is a global option: put it before the command" in line

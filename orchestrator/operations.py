@@ -271,6 +271,9 @@ class Registry:
         # and the stored copy is still the request as sent (so it may be sent again).
         redactor = Redactor.for_request(hidden, [data.get(name) for name in hidden])
         stored = dict(redactor.json(data))
+        # The effect fields decide the money movement and are never sensitive (refused at
+        # registration): kept as sent, so an amount equal to an expiry year stays resendable.
+        stored.update(effect)
         amount = data.get("amount")
         currency = data.get("currency")
         new = NewOperation(

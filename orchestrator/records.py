@@ -11,32 +11,31 @@ sensitive *values*, every text and number inside a sensitive field. It replaces 
 ``[redacted]``:
 
 - Under a sensitive name, at any depth, the whole value, whatever it is, unless it is null.
-- A sensitive text of three characters or more (a CVC), or number of four digits or more
-  (a card number as a JSON number; its text counts too), wherever a whole value (string,
-  key or number) equals it; from four characters also inside any longer string (a message
-  quoting a card number, a truncated raw body, which also loses a trailing partial value).
-- A text of one or two characters, or a number of fewer than four digits (an expiry month
-  of 12), only where its whole value is equal *and* its key names a sensitive field: a
-  sensitive name, or one's words in order (``card_exp_month``, ``expMonth`` for ``exp_month``).
-  An expiry month of 12 leaves an ``amount`` of 12, a ``"12"`` quantity and "12 items" alone.
+- A sensitive text of three characters or more (a name), unless made only of digits, or a
+  number or digit-only text of eight digits or more (a card or account number: 12-19),
+  wherever a whole value (string, key or number) equals it; a number's text counts too.
+  From four characters also inside any longer string (a message quoting a card number, a
+  truncated raw body, which also loses a trailing partial value).
+- Any other sensitive value: a text of one or two characters, a number or digit-only text of
+  fewer than eight digits (an expiry month of 12, a year of 2030, a CVC "737"), only where
+  its whole value is equal *and* its key names a sensitive field: a sensitive name, or one's
+  words in order (``card_exp_month``, ``expYear`` for ``exp_year``). An expiry year of 2030
+  leaves an ``amount`` of 2030, a ``"2030"`` reference and "due 2030" alone.
   A boolean is never a sensitive value (only under a sensitive name does it go).
 
-Limits, by that rule: a short value under a key naming no sensitive field (``{"m": 12}``)
-stays, and so does a three-character text inside a longer one ("737 g"). An equal value that
-is not the secret goes too: a sensitive object's ``"EUR"`` hides the currency, its ``type``
-key every ``type`` in the operation's stored provider text.
+Limits, by that rule: a short value or a number under eight digits under a key naming no
+sensitive field (``{"m": 12}``, a CVC echoed as ``{"code": "737"}``) stays, and so does a
+three-character text inside a longer one ("737 g"). An equal value that is not the secret
+goes too: a sensitive object's ``"EUR"`` hides the currency, its ``type`` key every ``type``
+in the operation's stored provider text. The stored request keeps the operation type's effect
+fields as sent (they are never sensitive; see :mod:`payorch.operations`).
 
 While the full request is in hand (``execute()``, its retries, a take-over), all of that is
 known. Afterwards (status queries, webhooks) only the stored request is left, which holds a
-sensitive field as one ``[redacted]``: only the names it sits under are known, so a value under
-such a key, anywhere in a provider body, becomes ``[redacted]``. Providers echo fields under
-the names they were sent with (``metadata[note]`` comes back as ``metadata.note``), so such an
-echo is still caught; one under a name the stored copy does not show (``pan``, a card's ``cvc``
-as ``source.cvc``) is not: neither the values nor a hidden object's names are.
-
-A stored request that holds ``[redacted]`` anywhere (:meth:`Redactor.redacted_at`) is not
-the request that was sent, so it is never sent again: re-sending it would hand the provider
-the placeholder. Only a caller that holds the full request sends it.
+sensitive field as one ``[redacted]``: a value under a name it sits under, anywhere in a
+provider body, goes (providers echo ``metadata[note]`` as ``metadata.note``); one under a name
+it does not show (``pan``, a card's ``cvc`` as ``source.cvc``) stays. A stored request holding
+``[redacted]`` anywhere (:meth:`Redactor.redacted_at`) is not the request sent: never re-sent.
 """
 
 from __future__ import annotations
@@ -356,11 +355,12 @@ class ClaimResult:
 
 REDACTED = "[redacted]"
 # Sensitive texts from _MIN_WHOLE characters match as a whole value anywhere (a CVC echoed
-# under another name), from _MIN_TEXT inside longer text too; shorter texts and numbers under
-# _MIN_DIGITS digits only under a sensitive name (an amount of 12 is no expiry month).
+# under another name), from _MIN_TEXT inside longer text too; shorter texts, and numbers or
+# digit-only texts under _MIN_DIGITS digits, only under a sensitive name (an amount of 12 is
+# no expiry month, one of 2030 no expiry year; card and account numbers have 12 or more).
 _MIN_TEXT = 4
 _MIN_WHOLE = 3
-_MIN_DIGITS = 4
+_MIN_DIGITS = 8
 _WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
 
@@ -369,10 +369,8 @@ class Redactor:
     """Replaces sensitive values (and values under sensitive names) with ``[redacted]``.
 
     ``keys``: the sensitive names (a value under one goes, whatever it is); ``values`` and
-    ``numbers``: the sensitive texts (three characters or more, a long number's text) and
-    numbers (four digits or more) hidden anywhere; ``short_texts`` and ``short_numbers``:
-    the others, hidden only under a key that names a sensitive field.
-    """
+    ``numbers``: the sensitive texts and numbers hidden anywhere; ``short_texts`` and
+    ``short_numbers``: the others, hidden only under a key that names a sensitive field."""
 
     keys: frozenset[str] = frozenset()
     values: frozenset[str] = frozenset()
@@ -431,9 +429,7 @@ class Redactor:
         return _placeholder(stored, "")
 
     def __bool__(self) -> bool:
-        return bool(
-            self.keys or self.values or self.numbers or self.short_texts or self.short_numbers
-        )
+        return any(getattr(self, name) for name in self.__dataclass_fields__)
 
     @functools.cached_property
     def _named(self) -> tuple[tuple[str, ...], ...]:
@@ -585,16 +581,20 @@ class _Found:
 
     def add(self, leaf: Any) -> None:
         if isinstance(leaf, str) and leaf and leaf != REDACTED:
-            (self.values if len(leaf) >= _MIN_WHOLE else self.short_texts).add(leaf)
+            # Digits alone are a number's text (a year "2030"): they follow the number rule.
+            digits = leaf.isascii() and leaf.isdigit()
+            if len(leaf) < _MIN_WHOLE or (digits and len(leaf) < _MIN_DIGITS):
+                self.short_texts.add(leaf)
+                if digits:
+                    self.short_numbers.add(int(leaf))
+            else:
+                self.values.add(leaf)
         elif isinstance(leaf, (int, float)):
             # Echoed as text too, e.g. in string-only metadata.
             text = str(leaf) if isinstance(leaf, int) else repr(leaf)
-            if sum(c.isdigit() for c in text) >= _MIN_DIGITS:
-                self.numbers.add(leaf)
-                self.values.add(text)
-            else:
-                self.short_numbers.add(leaf)
-                self.short_texts.add(text)
+            long = sum(c.isdigit() for c in text) >= _MIN_DIGITS
+            (self.numbers if long else self.short_numbers).add(leaf)
+            (self.values if long else self.short_texts).add(text)
 
     def redactor(self) -> Redactor:
         return Redactor(**{name: frozenset(found) for name, found in vars(self).items()})

@@ -132,18 +132,18 @@ def test_a_copied_sensitive_value_is_redacted_in_the_stored_request() -> None:
 
 
 def test_redactor_with_the_request_in_hand_finds_values_anywhere() -> None:
-    stored = {"card_number": REDACTED, "pin": REDACTED, "note": "x"}
-    redactor = Redactor.of(stored, {"card_number": CARD, "pin": 90817, "note": "x"})
+    stored = {"card_number": REDACTED, "account": REDACTED, "note": "x"}
+    redactor = Redactor.of(stored, {"card_number": CARD, "account": 908172640031, "note": "x"})
     body = {
         "id": "pi_1",
-        "metadata": {"copy": CARD, CARD: "as a key", "n": 90817, "s": "90817"},
+        "metadata": {"copy": CARD, CARD: "as a key", "n": 908172640031, "s": "908172640031"},
         "lines": [{"text": f"charged {CARD}."}],
         "amount": 500,
     }
     out = redactor.json(body)
     assert out == {
         "id": "pi_1",
-        # A number of four digits or more is as telling as its text: hidden anywhere.
+        # A number of eight digits or more is as telling as its text: hidden anywhere.
         "metadata": {"copy": REDACTED, REDACTED: "as a key", "n": REDACTED, "s": REDACTED},
         "lines": [{"text": f"charged {REDACTED}."}],
         "amount": 500,
@@ -199,8 +199,8 @@ def test_a_small_sensitive_number_is_redacted_only_under_its_name() -> None:
             "cvc": REDACTED,
         },
         # A key holding a sensitive name's words (in order) says the value is that field;
-        # a three-character text is hidden wherever a whole string equals it, not inside one.
-        "metadata": {"cvc_check": REDACTED, "code": REDACTED, "exp_month_hint": [REDACTED, 1]},
+        # a digit-only CVC, like a short number, goes only there ("code" names no field).
+        "metadata": {"cvc_check": REDACTED, "code": "737", "exp_month_hint": [REDACTED, 1]},
     }
     answer = Answer(kind=AnswerKind.DECLINED, message="month 12 refused", code="12")
     assert EXPIRING.answer(answer) == answer  # no name in plain text: nothing to match
@@ -258,7 +258,7 @@ PAN = 4242424242424242  # a card number sent as a JSON number
 
 
 def test_a_card_number_sent_as_a_number_is_hidden_anywhere() -> None:
-    """Four digits or more: the number itself, wherever a whole number equals it, and its
+    """Eight digits or more: the number itself, wherever a whole number equals it, and its
     text as a whole string and inside longer text; never a boolean or a small number."""
     redactor = Redactor.for_request(("card_number", "exp_month"), [PAN, 12])
     body = {
@@ -307,7 +307,7 @@ def test_the_parts_of_a_hidden_object_are_hidden_by_their_own_names() -> None:
     assert redactor.json(body) == {
         # Under a sensitive name the whole value goes, whatever it is (null stays).
         "source": {"cvc": REDACTED, "exp_month": REDACTED, "number": REDACTED, "brand": None},
-        "checks": [{"cvc_check": "pass"}, {"result": REDACTED}],
+        "checks": [{"cvc_check": "pass"}, {"result": "737"}],  # digits, under no such name
         "amount": 12,
         "quantity": "12",
         "style": "v",
@@ -319,20 +319,18 @@ def test_the_parts_of_a_hidden_object_are_hidden_by_their_own_names() -> None:
 
 
 def test_a_three_character_text_is_hidden_wherever_a_whole_string_equals_it() -> None:
-    redactor = Redactor.for_request(("cvc", "exp_month", "pin"), ["737", "12", 4])
+    redactor = Redactor.for_request(("code", "exp_month", "pin"), ["K9Z", "12", 4])
     body = {
-        "reply": "737",
-        "lines": ["737", "1737", "737 g"],
-        "737": "a key",
-        "amount": 737,  # the number 737 is no CVC text
+        "reply": "K9Z",
+        "lines": ["K9Z", "1K9Z", "K9Z g"],
+        "K9Z": "a key",
         "month": "12",
         "n": 4,
     }
     assert redactor.json(body) == {
         "reply": REDACTED,
-        "lines": [REDACTED, "1737", "737 g"],
+        "lines": [REDACTED, "1K9Z", "K9Z g"],
         REDACTED: "a key",
-        "amount": 737,
         "month": "12",
         "n": 4,
     }
@@ -350,6 +348,7 @@ SMALL = st.one_of(
     st.booleans(),
     st.none(),
     st.text(alphabet="0123456789ab", max_size=3),
+    st.sampled_from([2030, "2030", 4321, "4321", 1234567, "0737"]),
 )
 PLAIN_KEYS = st.sampled_from(["amount", "quantity", "order", "n", "month", "code", "lines"])
 BODIES = st.recursive(
@@ -360,15 +359,18 @@ BODIES = st.recursive(
 
 
 @given(
-    secret=st.integers(-999, 999) | st.text(alphabet="0123456789ab", min_size=1, max_size=2),
+    secret=st.integers(-9_999_999, 9_999_999)
+    | st.sampled_from([2030, "2030", 4321, "0737", "1234567"])
+    | st.text(alphabet="0123456789ab", min_size=1, max_size=2)
+    | st.text(alphabet="0123456789", min_size=1, max_size=7),
     body=BODIES,
 )
 def test_short_sensitive_values_never_garble_a_body_outside_their_names(
     secret: int | str, body: object
 ) -> None:
     """Whatever numbers and short texts a body holds, equal to the secret or not, they stay
-    where no key names a sensitive field: a secret of one or two characters, or a number of
-    fewer than four digits, is looked for only under a sensitive name."""
+    where no key names a sensitive field: a secret of one or two characters, or a number or
+    digit-only text of fewer than eight digits, is looked for only under a sensitive name."""
     redactor = Redactor.for_request(("exp_month",), [secret])
     assert redactor.json(body) == body
 
@@ -519,3 +521,71 @@ def test_a_status_query_echo_is_redacted_by_name(
     metadata = effect["metadata"]
     assert metadata["card"] == REDACTED and metadata["cardholder"] == REDACTED
     assert metadata["order"] == "o-7"
+
+
+# -- an expiry year equal to the amount (issue 25) ---------------------------------------------
+
+
+class YearCharge(BaseModel):
+    amount: int
+    currency: str
+    card: dict[str, object]
+    pin: int | None = None
+    metadata: dict[str, object] = Field(default_factory=dict)
+
+
+YEAR_CHARGE = OperationType(
+    name="card.year",
+    model=YearCharge,
+    effect_fields=("amount", "currency"),
+    sensitive_fields=("card", "pin"),
+    provider="sandbox",
+)
+
+
+@pytest.mark.parametrize("year", [2030, "2030"])
+def test_an_amount_equal_to_the_expiry_year_is_stored_as_sent(year: int | str) -> None:
+    registry = Registry()
+    registry.register(YEAR_CHARGE)
+    card = {"number": PAN, "exp_year": year}
+    request = {"amount": 2030, "currency": "EUR", "card": card, "pin": 4321}
+    request["metadata"] = {"year": year, "ref": str(PAN), "code": 4321, "card_exp_year": year}
+    prepared = registry.prepare(
+        tenant_id="shop", operation="card.year", idempotency_key="k", request=request
+    )
+    assert prepared.new.request == {
+        "amount": 2030,
+        "currency": "EUR",
+        "card": REDACTED,
+        "pin": REDACTED,
+        # A 4-digit PIN or year under a key naming no sensitive field stays (documented);
+        # the 16-digit card number goes anywhere.
+        "metadata": {"year": year, "ref": REDACTED, "code": 4321, "card_exp_year": REDACTED},
+    }
+    redactor = Redactor.of(prepared.new.request, prepared.payload)
+    body = {"amount": 2030, "note": f"due {year}", "pan": PAN, "pin": 4321, "exp_year": year}
+    assert redactor.json(body) == {
+        "amount": 2030,
+        "note": f"due {year}",
+        "pan": REDACTED,
+        "pin": REDACTED,
+        "exp_year": REDACTED,
+    }
+    answer = Answer(kind=AnswerKind.DECLINED, message=f"card {PAN} refused", body=body)
+    assert redactor.answer(answer).message == f"card {REDACTED} refused"
+
+
+def test_the_effect_fields_are_stored_as_sent_even_if_a_sensitive_value_equals_one() -> None:
+    """A sensitive card object holding ``"EUR"`` no longer hides the effect ``currency``."""
+    registry = Registry()
+    registry.register(YEAR_CHARGE)
+    card = {"number": PAN, "currency": "EUR", "amount": 2030}
+    prepared = registry.prepare(
+        tenant_id="shop",
+        operation="card.year",
+        idempotency_key="k",
+        request={"amount": 2030, "currency": "EUR", "card": card},
+    )
+    stored = prepared.new.request
+    assert stored is not None and stored["amount"] == 2030 and stored["currency"] == "EUR"
+    assert Redactor.redacted_at({k: v for k, v in stored.items() if k != "card"}) is None

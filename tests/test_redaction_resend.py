@@ -20,6 +20,7 @@ from test_redaction import (
     CARD_CHARGE,
     EXPIRY_CHARGE,
     SECRETS,
+    YEAR_CHARGE,
     charge,
     dump,
     expiring_charge,
@@ -34,7 +35,7 @@ from payorch.provider import Answer, Capability, SubmitRequest
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.reconciling._async import AsyncReconciler
 from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
-from payorch.records import OperationRecord
+from payorch.records import OperationRecord, Redactor
 from payorch.storage._async_store import AsyncStore
 from payorch.storage._store import Store
 
@@ -376,7 +377,10 @@ OBJECT_CARD = OperationType(
 # An amount of 12 and a "12" quantity beside an expiry month of 12; the app copies the card
 # number (a number) or the CVC into metadata.
 NUMBER_REQUEST = {"card_number": PAN, "exp_month": 12, "metadata": {"ref": PAN}}
-OBJECT_REQUEST = {"card": {"number": CARD, "cvc": CVC, "exp_month": 12}, "metadata": {"note": CVC}}
+OBJECT_REQUEST = {
+    "card": {"number": CARD, "cvc": CVC, "exp_month": 12},
+    "metadata": {"card_cvc": CVC},
+}
 
 
 def charged(
@@ -467,7 +471,8 @@ def test_the_parts_of_a_sensitive_card_object_are_stored_nowhere(
     request = answered.request
     kept_12s(request)
     assert request is not None and request["quantity"] == "12"
-    assert request["card"] == request["metadata"]["note"] == REDACTED  # a CVC anywhere
+    # A digit-only CVC goes under a name naming the field (card_cvc holds cvc's words).
+    assert request["card"] == request["metadata"]["card_cvc"] == REDACTED
     assert answered.response is not None
     (evidence,) = [
         e.detail for e in store.events("shop", answered.id) if e.kind == "provider_answer"
@@ -475,12 +480,55 @@ def test_the_parts_of_a_sensitive_card_object_are_stored_nowhere(
     assert evidence is not None
     for echoed in (answered.response["provider_response"], evidence["body"]):
         kept_12s(echoed)
-        # The card's own keys are sensitive names; its CVC is hidden as a whole string.
+        # The card's own keys are sensitive names. Its CVC is digits alone, under 8: like an
+        # expiry year, it goes only under a sensitive name (the documented limit).
         assert echoed["source"] == {"cvc": REDACTED, "exp_month": REDACTED}
-        assert echoed["checks"] == {"result": REDACTED}
-        assert echoed["metadata"]["note"] == REDACTED
+        assert echoed["checks"] == {"result": CVC}
+        assert echoed["metadata"]["card_cvc"] == REDACTED
     assert queried.response is not None
     (effect,) = queried.response["provider_response"]["data"]
     kept_12s(effect)
-    assert effect["metadata"]["note"] == REDACTED  # by name, from the stored copy
+    assert effect["metadata"]["card_cvc"] == REDACTED  # by name, from the stored copy
+    assert CARD not in dump(store)
+
+
+# -- an amount equal to the card's expiry year -------------------------------------------------
+
+
+@pytest.mark.parametrize("year", [2030, "2030"])
+def test_an_amount_equal_to_the_expiry_year_is_kept_and_re_submitted(
+    executor: Executor, store: Store, sandbox: SandboxServer, year: int | str
+) -> None:
+    """Released by the provider, then the caller's retry takes it over: the amount of 2030
+    is in the stored request, the answer and its evidence; only the card itself is hidden."""
+    executor.registry.register(YEAR_CHARGE)
+    request = {
+        "amount": 2030,
+        "currency": "EUR",
+        "card": {"number": CARD, "exp_year": year},
+        "metadata": {"order": "o-1"},
+    }
+    sandbox.inject("rate_limit", times=RetryPolicy().max_attempts)
+    with pytest.raises(ProviderUnavailable):
+        executor.execute(
+            tenant_id="shop", operation="card.year", idempotency_key="k1", request=request
+        )
+    outcome = executor.execute(
+        tenant_id="shop", operation="card.year", idempotency_key="k1", request=request
+    )
+    assert outcome.state is State.SUCCEEDED
+    record = store.get("shop", outcome.operation_id)
+    assert record.request is not None and record.request["amount"] == 2030
+    assert Redactor.redacted_at(record.request) == "card"
+    assert record.response is not None
+    assert record.response["provider_response"]["amount"] == 2030
+    bodies = [
+        e.detail["body"] for e in store.events("shop", record.id) if e.kind == "provider_answer"
+    ]
+    assert bodies and all(b is None or b["amount"] == 2030 for b in bodies)
+    assert any(b is not None and b["amount"] == 2030 for b in bodies)
+    sent = submissions(sandbox)
+    assert len(sent) >= 2 and placeholders_sent(sandbox) == 0
+    assert {b["amount"] for b in sent} == {2030}
+    assert len(sandbox.ledger()) == 1
     assert CARD not in dump(store)

@@ -112,6 +112,7 @@ PUBLIC: dict[str, list[str]] = {
         "header_tenant",
     ],
     "payorch.integrations.django": [
+        "PayorchAppConfig",
         "PayorchConfig",
         "Tenant",
         "async_executor",

@@ -16,13 +16,15 @@ from datetime import timedelta
 from typing import Any, cast
 
 from asgiref.sync import sync_to_async
+from django.apps import AppConfig
 from django.conf import settings as django_settings
+from django.core import checks
 from django.core.handlers.asgi import ASGIRequest
 from django.core.signals import setting_changed
 from django.http import HttpRequest
 from django.utils.module_loading import import_string
 
-from ..errors import ConfigurationError, InvalidTenant, PayorchError
+from ..errors import ConfigurationError, InvalidTenant, PayorchError, SchemaNotReady
 from ..execution._async import AsyncExecutor
 from ..execution._executor import Executor
 from ..forks import reset_in_child
@@ -36,6 +38,7 @@ from ..storage._outbox import OutboxHooks, load_hooks
 from ..storage._store import Store
 
 __all__ = [
+    "PayorchAppConfig",
     "PayorchConfig",
     "Tenant",
     "async_executor",
@@ -47,6 +50,7 @@ __all__ = [
     "config",
     "executor",
     "require_asgi",
+    "schema_check",
     "store",
     "tenant_resolver",
     "webhook_handler",
@@ -405,3 +409,41 @@ async def async_tenant(request: HttpRequest) -> str | None:
     # request.user (and a custom resolver) may query the database: not on the loop.
     tenant: str | None = await sync_to_async(resolve)(request)
     return tenant
+
+
+# -- the deploy step's check ---------------------------------------------------------------
+
+
+def schema_check(
+    app_configs: Any = None, databases: Iterable[str] | None = None, **_: Any
+) -> list[checks.CheckMessage]:
+    """``payorch.E001`` while payorch's schema is missing or behind (``payorch.E002``: the
+    database or ``settings.PAYORCH`` unusable). Tagged ``database``: Django runs it only when
+    asked for databases (``manage.py check --database default``, before ``migrate``), so
+    nothing connects at import or in ``runserver``'s checks."""
+    if not databases:
+        return []
+    try:
+        probe = Store.from_url(PayorchConfig.from_settings().database_url)
+        try:
+            probe.check_schema()
+        finally:
+            probe.close()
+    except SchemaNotReady as exc:
+        return [checks.Error(exc.message, hint="run: payorch db upgrade", id="payorch.E001")]
+    except PayorchError as exc:
+        hint = "fix settings.PAYORCH or the database it names, then run the check again"
+        return [checks.Error(exc.message, hint=hint, id="payorch.E002")]
+    return []
+
+
+class PayorchAppConfig(AppConfig):  # type: ignore[misc]  # django ships no type hints
+    """``INSTALLED_APPS += ["payorch.integrations.django.PayorchAppConfig"]``: registers
+    :func:`schema_check`. payorch keeps its own tables: the app has no models."""
+
+    name = "payorch.integrations.django"
+    label = "payorch"
+    verbose_name = "payorch"
+
+    def ready(self) -> None:
+        checks.register(schema_check, checks.Tags.database)

@@ -22,6 +22,8 @@ Every refusal is an RFC 9457 ``application/problem+json`` answer; nothing is wri
 On first use each runtime checks payorch's schema (``Store.check_schema``): until
 ``payorch db upgrade`` has run, every request answers 503 ``schema-not-ready`` and logs
 the command to run (one check at a time; the others answer the last refusal at once).
+``urls()`` serves ``readyz`` for a readiness probe, and :class:`PayorchAppConfig` (in
+``INSTALLED_APPS``) makes ``manage.py check --database default`` fail on such a schema.
 The tenant always comes from the request (header, path, principal), never from the body.
 """
 
@@ -59,6 +61,7 @@ from ..http import (
 )
 from ..outcome import Outcome
 from ._django_config import (
+    PayorchAppConfig,
     PayorchConfig,
     Tenant,
     async_executor,
@@ -76,6 +79,7 @@ from ._django_config import (
 )
 
 __all__ = [
+    "PayorchAppConfig",
     "PayorchConfig",
     "Tenant",
     "async_executor",
@@ -445,13 +449,55 @@ operation_view: Callable[..., HttpResponse] = _sync_operation
 async_operation_view: Callable[..., Awaitable[HttpResponse]] = _async_operation
 
 
+# -- readiness -------------------------------------------------------------------------------
+
+
+def _uncached(response: HttpResponse) -> HttpResponse:
+    response["Cache-Control"] = "no-store"  # a probe must see now, never a cached answer
+    return response
+
+
+def _ready() -> HttpResponse:
+    return _uncached(_response(HttpAnswer(status=200, body={"status": "ready"})))
+
+
+def _sync_readyz(request: HttpRequest) -> HttpResponse:
+    refused = _not_allowed(request, ("GET", "HEAD"))
+    if refused is not None:
+        return _uncached(refused)
+    try:
+        # store() runs the runtime's first check; then one read per probe, so a database
+        # gone (or downgraded) since answers 503 too.
+        store().check_schema()
+    except Exception as exc:  # noqa: BLE001 - every failure answers problem+json
+        return _uncached(_response(_failure(exc, request)))
+    return _ready()
+
+
+async def _async_readyz(request: HttpRequest) -> HttpResponse:
+    refused = _not_allowed(request, ("GET", "HEAD"))
+    if refused is not None:
+        return _uncached(refused)
+    try:
+        require_asgi(request)
+        await checked_async()
+        await async_store().check_schema()
+    except Exception as exc:  # noqa: BLE001 - every failure answers problem+json
+        return _uncached(_response(_failure(exc, request)))
+    return _ready()
+
+
 def urls(*, asynchronous: bool = False) -> list[URLPattern]:
-    """``webhooks/<tenant>/<provider>`` and ``operations/<operation_id>`` (tenant-scoped):
-    ``path("payorch/", include(urls()))``. The operation URL is what a 202's Location names.
+    """``webhooks/<tenant>/<provider>``, ``operations/<operation_id>`` (tenant-scoped) and
+    ``readyz`` (200 ``{"status": "ready"}`` once payorch's schema check passes, else 503
+    problem+json; never cached): ``path("payorch/", include(urls()))``. The operation URL
+    is what a 202's Location names.
     """
     webhook = async_webhook_view if asynchronous else webhook_view
     operation = async_operation_view if asynchronous else operation_view
+    readyz = _async_readyz if asynchronous else _sync_readyz
     return [
         path("webhooks/<str:tenant>/<str:provider>", webhook, name="payorch-webhook"),
         path("operations/<str:operation_id>", operation, name="payorch-operation"),
+        path("readyz", readyz, name="payorch-readyz"),
     ]

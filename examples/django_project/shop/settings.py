@@ -5,7 +5,9 @@ import os
 SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "example-only-not-a-secret")
 DEBUG = os.environ.get("DJANGO_DEBUG") == "1"
 ALLOWED_HOSTS = ["127.0.0.1", "localhost"]
-INSTALLED_APPS: list[str] = []  # payorch keeps its own tables (`payorch db upgrade`)
+# No models: payorch keeps its own tables (`payorch db upgrade`); the app adds a check that
+# `manage.py check --database default` runs before a deploy.
+INSTALLED_APPS = ["payorch.integrations.django.PayorchAppConfig"]
 MIDDLEWARE = ["django.middleware.common.CommonMiddleware"]
 ROOT_URLCONF = "shop.urls"
 WSGI_APPLICATION = "shop.wsgi.application"

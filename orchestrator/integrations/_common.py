@@ -2,19 +2,23 @@
 
 The answers themselves are :mod:`payorch.http`'s; this holds the integrations' own
 refusals (401, 405, 413, 500), the operation resource's answer and the logging of failures,
-so that both speak with the same problem types as the FastAPI and Django integrations.
+so that both speak with the same problem types as the FastAPI and Django integrations; and
+the set-up the FastAPI, Flask and ASGI integrations share (:func:`set_up`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, ItemsView, Iterable, Iterator, Mapping, ValuesView
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from ..core import State, validate_tenant
-from ..errors import OperationNotFound, PayorchError, SchemaNotReady
+from ..errors import ConfigurationError, OperationNotFound, PayorchError, SchemaNotReady
 from ..http import SAME_KEY, HttpAnswer, http_answer, problem
+from ..operations import Registry, default_registry
 from ..outcome import Outcome
+from ..settings import Settings
+from ..storage._outbox import OutboxHooks, load_hooks
 
 __all__ = [
     "DEFAULT_MAX_BODY",
@@ -25,6 +29,7 @@ __all__ = [
     "known_tenant",
     "not_allowed",
     "operation_answer",
+    "set_up",
     "too_large",
     "unresolved",
 ]
@@ -36,6 +41,51 @@ _TOO_LARGE = "urn:payorch:problem:request-body-too-large"
 _INTERNAL = "urn:payorch:problem:error"
 _MAX_OPERATION_ID = 36  # payorch_operations.id
 _INTERNAL_DETAIL = "the server failed; retry with the same idempotency key later, never a new one"
+
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+P = TypeVar("P", bound=_Named)
+S = TypeVar("S")
+
+
+def set_up(
+    owner: str,
+    *,
+    providers: Iterable[P],
+    url: str | None,
+    store: S | None,
+    from_url: Callable[..., S],
+    registry: Registry | None,
+    max_body: int,
+    outbox_hooks: OutboxHooks | None,
+) -> tuple[list[P], S, bool, Registry]:
+    """An integration's adapters, store (and whether it opened it) and registry, refused in
+    one line when misconfigured. ``url`` defaults to ``PAYORCH_DATABASE_URL`` and the hooks to
+    ``PAYORCH_OUTBOX_HOOKS``; a store of the app's own brings its own hooks. The registry
+    defaults to the built-in operations, on the provider when there is just one."""
+    if url is not None and store is not None:
+        raise ConfigurationError(f"give {owner} a database url or a store, not both")
+    if max_body < 1:
+        raise ConfigurationError("max_body must be positive")
+    adapters = list(providers)
+    if not adapters:
+        raise ConfigurationError(f"{owner} needs at least one provider adapter")
+    owned = store is None
+    if store is None:
+        config = Settings()
+        if outbox_hooks is None and config.outbox_hooks:
+            outbox_hooks = load_hooks(config.outbox_hooks)
+        store = from_url(url or config.database_url, outbox_hooks=outbox_hooks)
+    elif outbox_hooks is not None:
+        kind = type(store).__name__
+        raise ConfigurationError(f"give the store its outbox_hooks ({kind}(..., outbox_hooks=))")
+    if registry is None:
+        registry = default_registry(adapters[0].name if len(adapters) == 1 else None)
+    return adapters, store, owned, registry
 
 
 def unresolved() -> HttpAnswer:

@@ -42,13 +42,12 @@ from ..http import (
     parse_json_body,
     webhook_answer,
 )
-from ..operations import Registry, default_registry
+from ..operations import Registry
 from ..outcome import Outcome
 from ..provider import AsyncProvider
 from ..reconciling._async import AsyncWebhookHandler
-from ..settings import Settings
 from ..storage._async_store import AsyncStore
-from ..storage._outbox import OutboxHooks, load_hooks
+from ..storage._outbox import OutboxHooks
 from ._common import (
     DEFAULT_MAX_BODY,
     Refused,
@@ -58,6 +57,7 @@ from ._common import (
     known_tenant,
     not_allowed,
     operation_answer,
+    set_up,
     too_large,
 )
 
@@ -164,10 +164,6 @@ class PayorchMiddleware:
         webhooks: str = "/webhooks",
         operations: str = "/operations",
     ) -> None:
-        if url is not None and store is not None:
-            raise ConfigurationError("give PayorchMiddleware a database url or a store, not both")
-        if max_body < 1:
-            raise ConfigurationError("max_body must be positive")
         for prefix in (webhooks, operations):
             if not prefix.startswith("/") or prefix.endswith("/"):
                 raise ConfigurationError(f"a prefix starts with '/' and ends without: {prefix!r}")
@@ -176,24 +172,16 @@ class PayorchMiddleware:
             (method.upper(), path): OperationRoute(spec) if isinstance(spec, str) else spec
             for (method, path), spec in routes.items()
         }
-        self.providers = list(providers)
-        if not self.providers:
-            raise ConfigurationError("PayorchMiddleware needs at least one provider adapter")
-        self._owns_store = store is None
-        if store is None:
-            config = Settings()
-            if outbox_hooks is None and config.outbox_hooks:
-                outbox_hooks = load_hooks(config.outbox_hooks)
-            store = AsyncStore.from_url(url or config.database_url, outbox_hooks=outbox_hooks)
-        elif outbox_hooks is not None:
-            raise ConfigurationError(
-                "give the store its outbox_hooks (AsyncStore(..., outbox_hooks=))"
-            )
-        self.store = store
-        if registry is None:  # one provider: every built-in operation runs on it
-            registry = default_registry(
-                self.providers[0].name if len(self.providers) == 1 else None
-            )
+        self.providers, self.store, self._owns_store, registry = set_up(
+            "PayorchMiddleware",
+            providers=providers,
+            url=url,
+            store=store,
+            from_url=AsyncStore.from_url,
+            registry=registry,
+            max_body=max_body,
+            outbox_hooks=outbox_hooks,
+        )
         self.executor = AsyncExecutor(
             store=self.store, providers=self.providers, registry=registry, lease=lease, retry=retry
         )

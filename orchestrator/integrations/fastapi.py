@@ -46,13 +46,13 @@ from ..http import (
     problem,
     webhook_answer,
 )
-from ..operations import Registry, default_registry
+from ..operations import Registry
 from ..outcome import Outcome
 from ..provider import AsyncProvider
 from ..reconciling._async import AsyncWebhookHandler
-from ..settings import Settings
 from ..storage._async_store import AsyncStore
-from ..storage._outbox import OutboxHooks, load_hooks
+from ..storage._outbox import OutboxHooks
+from ._common import set_up
 from ._fastapi_tenants import TenantResolver, header_tenant, path_tenant, principal_tenant
 
 __all__ = [
@@ -217,28 +217,16 @@ class Payorch:
         max_body: int = DEFAULT_MAX_BODY,
         outbox_hooks: OutboxHooks | None = None,
     ) -> None:
-        if url is not None and store is not None:
-            raise ConfigurationError("give Payorch a database url or a store, not both")
-        if max_body < 1:
-            raise ConfigurationError("max_body must be positive")
-        self.providers = list(providers)
-        if not self.providers:
-            raise ConfigurationError("Payorch needs at least one provider adapter")
-        self._owns_store = store is None
-        if store is None:
-            config = Settings()
-            if outbox_hooks is None and config.outbox_hooks:
-                outbox_hooks = load_hooks(config.outbox_hooks)
-            store = AsyncStore.from_url(url or config.database_url, outbox_hooks=outbox_hooks)
-        elif outbox_hooks is not None:
-            raise ConfigurationError(
-                "give the store its outbox_hooks (AsyncStore(..., outbox_hooks=))"
-            )
-        self.store = store
-        if registry is None:  # one provider: every built-in operation runs on it
-            registry = default_registry(
-                self.providers[0].name if len(self.providers) == 1 else None
-            )
+        self.providers, self.store, self._owns_store, registry = set_up(
+            "Payorch",
+            providers=providers,
+            url=url,
+            store=store,
+            from_url=AsyncStore.from_url,
+            registry=registry,
+            max_body=max_body,
+            outbox_hooks=outbox_hooks,
+        )
         self.executor = AsyncExecutor(
             store=self.store, providers=self.providers, registry=registry, lease=lease, retry=retry
         )

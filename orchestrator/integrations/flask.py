@@ -48,12 +48,11 @@ from ..http import (
     parse_json_body,
     webhook_answer,
 )
-from ..operations import Registry, default_registry
+from ..operations import Registry
 from ..outcome import Outcome
 from ..provider import Provider
 from ..reconciling._webhooks import WebhookHandler
-from ..settings import Settings
-from ..storage._outbox import OutboxHooks, load_hooks
+from ..storage._outbox import OutboxHooks
 from ..storage._store import Store
 from ._common import (
     DEFAULT_MAX_BODY,
@@ -63,6 +62,7 @@ from ._common import (
     failure,
     known_tenant,
     operation_answer,
+    set_up,
     too_large,
 )
 
@@ -225,26 +225,16 @@ class Payorch:
         max_body: int = DEFAULT_MAX_BODY,
         outbox_hooks: OutboxHooks | None = None,
     ) -> None:
-        if url is not None and store is not None:
-            raise ConfigurationError("give Payorch a database url or a store, not both")
-        if max_body < 1:
-            raise ConfigurationError("max_body must be positive")
-        self.providers = list(providers)
-        if not self.providers:
-            raise ConfigurationError("Payorch needs at least one provider adapter")
-        self._owns_store = store is None
-        if store is None:
-            config = Settings()
-            if outbox_hooks is None and config.outbox_hooks:
-                outbox_hooks = load_hooks(config.outbox_hooks)
-            store = Store.from_url(url or config.database_url, outbox_hooks=outbox_hooks)
-        elif outbox_hooks is not None:
-            raise ConfigurationError("give the store its outbox_hooks (Store(..., outbox_hooks=))")
-        self.store = store
-        if registry is None:  # one provider: every built-in operation runs on it
-            registry = default_registry(
-                self.providers[0].name if len(self.providers) == 1 else None
-            )
+        self.providers, self.store, self._owns_store, registry = set_up(
+            "Payorch",
+            providers=providers,
+            url=url,
+            store=store,
+            from_url=Store.from_url,
+            registry=registry,
+            max_body=max_body,
+            outbox_hooks=outbox_hooks,
+        )
         self.executor = Executor(
             store=self.store, providers=self.providers, registry=registry, lease=lease, retry=retry
         )

@@ -16,14 +16,15 @@ too (:mod:`payorch.storage._sessions`).
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import re
 import select
 import sqlite3
-import threading
 import weakref
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
@@ -39,7 +40,7 @@ from ..errors import (
 )
 from ..forks import reset_in_child
 from . import _sessions as sessions
-from ._bridge import pause
+from ._bridge import pause, wait_for
 from ._pooling import Pooling, normalise_url, resolve
 from ._pooling import configure as configure_pooling
 from ._pooling import engine_options as pooling_options
@@ -205,7 +206,7 @@ def _configure_postgres(engine: Engine) -> None:
         # the hot path switches no mode per statement; every other user gets the mode
         # SQLAlchemy expects back (the driver's transactions, unless the engine's own
         # isolation_level is AUTOCOMMIT).
-        if raw_path and dbapi_conn.autocommit != natural and not getattr(_RAW, "checkout", False):
+        if raw_path and dbapi_conn.autocommit != natural and not _RAW_CHECKOUT.get():
             try:
                 dbapi_conn.autocommit = natural
             except Exception as err:  # psycopg.Error: closed or broken meanwhile
@@ -445,11 +446,12 @@ def run_sql(
     """``sql`` (psycopg's ``%(name)s`` style) as :func:`run_statement` runs it: autocommit,
     one round trip, the same verdicts; its first row as the driver hands it, or None.
 
-    On a synchronous psycopg engine it runs on the pooled driver connection itself: the hot
-    statements need neither SQLAlchemy's ``Connection`` nor its result metadata, which
-    cost more client CPU than the rest of an operation (statement listeners do not see
-    these statements; the round trips are the same). Elsewhere (the async bridge) it runs
-    through ``exec_driver_sql``.
+    On psycopg engines, sync or async (the bridge), it runs on the pooled driver connection
+    itself: the hot statements need neither SQLAlchemy's ``Connection`` nor its result
+    metadata, which cost more client CPU than the rest of an operation (statement
+    listeners do not see these statements; the round trips are the same). On an async
+    engine each round trip is one await on the loop. Elsewhere (aiosqlite) it runs through
+    ``exec_driver_sql``.
     """
     rows = _run_sql(engine, sql, params, write=write, every=False)
     return rows[0] if rows else None
@@ -468,6 +470,7 @@ def _run_sql(
     if not _runs_on_driver(engine):
         return _run_sql_via_sqlalchemy(engine, sql, params, write=write, every=every)
     error: type[Exception] = engine.dialect.loaded_dbapi.Error
+    fetch = _fetch_awaited if engine.dialect.is_async else _fetch
     # On payorch's engines the connection goes back still in autocommit: the next statement
     # run here needs no switch, and the checkout listener switches it back for anyone else.
     # An engine the caller built has no such listener: there it goes back at once to the
@@ -475,12 +478,14 @@ def _run_sql(
     ours = engine in _SCHEMAS
     for attempt in range(MAX_TRANSACTION_ATTEMPTS):
         fairy = _checkout(engine, error)
-        driver: Any = fairy.driver_connection
+        driver: Any = fairy.driver_connection  # psycopg's Connection or AsyncConnection
         was = driver.autocommit  # a caller's engine gets its connection back in this mode
         try:
             watch = None
-            if was or _set_autocommit(fairy, driver, True):
-                watch = sessions.watch_of(fairy.info) or sessions.first_use(fairy, driver, error)
+            if was or _set_autocommit(fairy, True):
+                watch = sessions.watch_of(fairy.info) or sessions.first_use(
+                    fairy, error, functools.partial(fetch, driver, params=None, every=False)
+                )
             if watch is None:
                 # Unusable before anything was sent: nothing to be uncertain about.
                 if attempt == 0:
@@ -488,8 +493,7 @@ def _run_sql(
                 raise DatabaseUnavailable("database connection lost before the statement")
             watch.seen = None
             try:
-                cursor = driver.execute(sql, params)
-                rows = cursor.fetchall() if every else [cursor.fetchone()]
+                rows = fetch(driver, sql, params, every)
             except error as orig:
                 broken = bool(driver.closed or driver.broken)
                 if broken:
@@ -506,24 +510,46 @@ def _run_sql(
             return [row for row in rows if row is not None]
         finally:
             if not ours and fairy.is_valid and driver.autocommit != was:
-                _set_autocommit(fairy, driver, was)
+                _set_autocommit(fairy, was)
             fairy.close()  # back to the pool (or, invalidated, discarded)
     raise StorageError("statement retries exhausted")  # pragma: no cover - loop returns/raises
 
 
+def _fetch(driver: Any, sql: str, params: Mapping[str, Any] | None, every: bool) -> list[Any]:
+    cursor = driver.execute(sql, params)
+    return cursor.fetchall() if every else [cursor.fetchone()]
+
+
+def _fetch_awaited(
+    driver: Any, sql: str, params: Mapping[str, Any] | None, every: bool
+) -> list[Any]:
+    """:func:`_fetch` on psycopg's AsyncConnection, from sync code under the bridge: the
+    statement and its rows in one await."""
+    return wait_for(_fetch_async(driver, sql, params, every))
+
+
+async def _fetch_async(
+    driver: Any, sql: str, params: Mapping[str, Any] | None, every: bool
+) -> list[Any]:
+    cursor = await driver.execute(sql, params)
+    return await cursor.fetchall() if every else [await cursor.fetchone()]
+
+
 def _runs_on_driver(engine: Engine) -> bool:
-    """Whether :func:`run_sql` runs on the pooled driver connection itself (synchronous
-    psycopg); elsewhere it goes through SQLAlchemy and never leaves autocommit on."""
-    return not engine.dialect.is_async and engine.dialect.driver == "psycopg"
+    """Whether :func:`run_sql` runs on the pooled driver connection itself (psycopg, sync or
+    async); elsewhere it goes through SQLAlchemy and never leaves autocommit on."""
+    return engine.dialect.driver == "psycopg"  # "postgresql+psycopg", sync or async
 
 
 # Set while run_sql checks a connection out: the checkout listener then leaves autocommit on.
-_RAW = threading.local()
+# A context variable, not a thread-local: under the async bridge many greenlets share a
+# thread, and a checkout may await (open a connection) while another greenlet checks out.
+_RAW_CHECKOUT: ContextVar[bool] = ContextVar("payorch_raw_checkout", default=False)
 
 
 def _checkout(engine: Engine, error: type[Exception]) -> Any:
     """A pooled connection (the checkout listener drops a dead one), or the mapped error."""
-    _RAW.checkout = True
+    token = _RAW_CHECKOUT.set(True)
     try:
         return engine.raw_connection()
     except error as orig:  # no connection could be opened
@@ -532,7 +558,7 @@ def _checkout(engine: Engine, error: type[Exception]) -> Any:
     except exc.SQLAlchemyError as timeout:  # the pool's time-out
         raise map_db_error(timeout) from timeout
     finally:
-        _RAW.checkout = False
+        _RAW_CHECKOUT.reset(token)
 
 
 def _run_sql_via_sqlalchemy(
@@ -548,11 +574,12 @@ def _run_sql_via_sqlalchemy(
     return run_statement(engine, run, write=write)
 
 
-def _set_autocommit(fairy: Any, driver: Any, value: bool) -> bool:
+def _set_autocommit(fairy: Any, value: bool) -> bool:
     """Set the pooled connection's autocommit mode; False (and the connection invalidated,
-    so the pool discards it) if the connection can no longer take it."""
+    so the pool discards it) if the connection can no longer take it. Through the DBAPI
+    face: for the async driver, SQLAlchemy's adapter awaits the switch."""
     try:
-        driver.autocommit = value
+        fairy.dbapi_connection.autocommit = value
     except Exception as exc:  # noqa: BLE001 - psycopg.Error: closed or broken meanwhile
         fairy.invalidate(exc)
         return False

@@ -19,6 +19,7 @@ give payorch's multi-statement transactions their atomicity: :func:`refuse_autoc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy.engine import URL, Connection, Engine
@@ -93,12 +94,15 @@ def adopt(info: dict[Any, Any], dbapi_connection: Any, row: Any) -> Watch:
     return watch
 
 
-def first_use(fairy: Any, driver: Any, error: type[Exception]) -> Watch | None:
+def first_use(
+    fairy: Any, error: type[Exception], fetch_one: Callable[[str], list[Any]]
+) -> Watch | None:
     """A connection payorch has not used yet (in autocommit): it must be a read-write
     primary (else ``DatabaseReadOnly``, the connection discarded); its watch, or None if
-    it broke (discarded: nothing of ours was sent)."""
+    it broke (discarded: nothing of ours was sent). ``fetch_one`` runs a statement on it
+    (sync or awaited) and returns its first row in a list."""
     try:
-        row = driver.execute(ROLE_SQL).fetchone()
+        row = fetch_one(ROLE_SQL)[0]
     except error as orig:
         fairy.invalidate(orig)
         return None

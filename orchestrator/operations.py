@@ -198,6 +198,8 @@ class Prepared:
     payload: Mapping[str, Any]  # full validated request (sensitive fields included)
     effect: Mapping[str, Any]
     type: OperationType
+    # What the stored copy hides (payorch.records); empty when the request holds no secret.
+    redactor: Redactor = field(default_factory=Redactor)
 
 
 @dataclass
@@ -288,7 +290,7 @@ class Registry:
             retention=op_type.retention,
             key_scope=key_scope,
         )
-        return Prepared(new=new, payload=data, effect=effect, type=op_type)
+        return Prepared(new=new, payload=data, effect=effect, type=op_type, redactor=redactor)
 
 
 def _json_form(model: BaseModel, op_type: OperationType) -> dict[str, Any]:
@@ -300,10 +302,10 @@ def _json_form(model: BaseModel, op_type: OperationType) -> dict[str, Any]:
     """
     try:
         raw = model.model_dump()
-        check_encodable(raw)
-        for name in op_type.effect_fields:
-            # A set smuggled in through an ``Any`` field: registration could not see it.
-            check_encodable(raw.get(name), name, sets=False)
+        if not check_encodable(raw):
+            for name in op_type.effect_fields:
+                # A set smuggled in through an ``Any`` field: registration could not see it.
+                check_encodable(raw.get(name), name, sets=False)
         data = model.model_dump(mode="json")
     except (PydanticSerializationError, ValueError) as exc:  # e.g. bytes that are not UTF-8
         raise UnencodableRequest(

@@ -383,7 +383,10 @@ class Redactor:
         """From the sensitive field ``names`` and their values (``sensitive``: the values,
         any JSON), before anything is stored. The keys inside an object or list among the
         values are sensitive names too."""
-        found = _Found(keys=set(names))
+        keys = set(names)
+        if not keys and not sensitive:
+            return _NO_SECRETS  # no sensitive field: nothing to gather
+        found = _Found(keys=keys)
         found.hidden(sensitive)
         return found.redactor()
 
@@ -597,4 +600,10 @@ class _Found:
             (self.values if long else self.short_texts).add(text)
 
     def redactor(self) -> Redactor:
-        return Redactor(**{name: frozenset(found) for name, found in vars(self).items()})
+        gathered = vars(self)
+        if not any(gathered.values()):
+            return _NO_SECRETS  # the common case, built once
+        return Redactor(**{name: frozenset(found) for name, found in gathered.items()})
+
+
+_NO_SECRETS = Redactor()

@@ -272,6 +272,9 @@ class Executor:
                 retry=self.retry,
                 sleep=self._sleep,
                 rand=self._rand,
+                # No secret in the request: nothing for the stored copy to say (the walk of
+                # Redactor.of skipped); with one, it is derived from the stored copy as ever.
+                redactor=prepared.redactor if not prepared.redactor else None,
             )
         except OutcomeNotRecorded as exc:
             exc.operation_id = exc.operation_id or op_id
@@ -354,6 +357,7 @@ def submit_and_record(
     rand: Callable[[], float] = random.random,
     actor_kind: str = "provider_answer",
     not_sent_is_final: bool = True,
+    redactor: Redactor | None = None,
 ) -> OperationRecord:
     """Submit ``record`` (lease held by ``owner``, attempt marked possibly sent) and record
     the classified answer. Shared by the executor and the reconciler's re-submission.
@@ -368,6 +372,8 @@ def submit_and_record(
     executor, its inline retries and its take-over of a released operation), or a stored
     request only once :meth:`Redactor.redacted_at <payorch.records.Redactor.redacted_at>`
     found no ``[redacted]`` in it (the reconciler's re-send; it escalates the others).
+    ``redactor``: what the provider's echo must not store; None (default) derives it from
+    ``record.request`` and ``payload`` (:meth:`Redactor.of <payorch.records.Redactor.of>`).
     """
     request = SubmitRequest(
         tenant_id=record.tenant_id,
@@ -380,7 +386,8 @@ def submit_and_record(
     )
     # What the provider echoes of a sensitive value is stored nowhere (evidence, response);
     # by value where the stored request hid one, by name everywhere (payorch.records).
-    redactor = Redactor.of(record.request, payload)
+    if redactor is None:
+        redactor = Redactor.of(record.request, payload)
     calls = metrics.for_provider(adapter.name)
     attempt = 1
     while True:

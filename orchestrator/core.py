@@ -208,8 +208,10 @@ def _plainly_encodable(value: Any) -> bool:
     if cls is str:
         return value.isascii() or _utf8(value)
     if cls is dict:
-        for k, v in value.items():  # noqa: SIM110 - all() and a generator cost twice as much
-            if not (_plainly_encodable(k) and _plainly_encodable(v)):
+        for k, v in value.items():
+            # A text key (nearly always) checked here: a call per key would cost more.
+            key = (k.isascii() or _utf8(k)) if k.__class__ is str else _plainly_encodable(k)
+            if not (key and _plainly_encodable(v)):
                 return False
         return True
     if cls is list or cls is tuple:

@@ -432,7 +432,10 @@ class Redactor:
         return _placeholder(stored, "")
 
     def __bool__(self) -> bool:
-        return any(getattr(self, name) for name in self.__dataclass_fields__)
+        # Asked on every write of an answer: the five sets spelled out, no generator.
+        return bool(
+            self.keys or self.values or self.numbers or self.short_texts or self.short_numbers
+        )
 
     @functools.cached_property
     def _named(self) -> tuple[tuple[str, ...], ...]:

@@ -483,8 +483,9 @@ def _run_sql(
         try:
             watch = None
             if was or _set_autocommit(fairy, True):
+                cursor = _cursor_of(fairy, driver)
                 watch = sessions.watch_of(fairy.info) or sessions.first_use(
-                    fairy, error, functools.partial(fetch, driver, params=None, every=False)
+                    fairy, error, functools.partial(fetch, cursor, params=None, every=False)
                 )
             if watch is None:
                 # Unusable before anything was sent: nothing to be uncertain about.
@@ -493,7 +494,7 @@ def _run_sql(
                 raise DatabaseUnavailable("database connection lost before the statement")
             watch.seen = None
             try:
-                rows = fetch(driver, sql, params, every)
+                rows = fetch(cursor, sql, params, every)
             except error as orig:
                 broken = bool(driver.closed or driver.broken)
                 if broken:
@@ -515,23 +516,35 @@ def _run_sql(
     raise StorageError("statement retries exhausted")  # pragma: no cover - loop returns/raises
 
 
-def _fetch(driver: Any, sql: str, params: Mapping[str, Any] | None, every: bool) -> list[Any]:
-    cursor = driver.execute(sql, params)
+_CURSOR = "payorch_cursor"  # in the pool's per-connection info (cleared on reconnect)
+
+
+def _cursor_of(fairy: Any, driver: Any) -> Any:
+    """The connection's cursor for run_sql, made once: a fresh cursor per statement would
+    look up every column's loader again."""
+    cursor = fairy.info.get(_CURSOR)
+    if cursor is None or cursor.closed or cursor.connection is not driver:
+        cursor = fairy.info[_CURSOR] = driver.cursor()
+    return cursor
+
+
+def _fetch(cursor: Any, sql: str, params: Mapping[str, Any] | None, every: bool) -> list[Any]:
+    cursor.execute(sql, params)
     return cursor.fetchall() if every else [cursor.fetchone()]
 
 
 def _fetch_awaited(
-    driver: Any, sql: str, params: Mapping[str, Any] | None, every: bool
+    cursor: Any, sql: str, params: Mapping[str, Any] | None, every: bool
 ) -> list[Any]:
-    """:func:`_fetch` on psycopg's AsyncConnection, from sync code under the bridge: the
-    statement and its rows in one await."""
-    return wait_for(_fetch_async(driver, sql, params, every))
+    """:func:`_fetch` on a cursor of psycopg's AsyncConnection, from sync code under the
+    bridge: the statement and its rows in one await."""
+    return wait_for(_fetch_async(cursor, sql, params, every))
 
 
 async def _fetch_async(
-    driver: Any, sql: str, params: Mapping[str, Any] | None, every: bool
+    cursor: Any, sql: str, params: Mapping[str, Any] | None, every: bool
 ) -> list[Any]:
-    cursor = await driver.execute(sql, params)
+    await cursor.execute(sql, params)
     return await cursor.fetchall() if every else [await cursor.fetchone()]
 
 

@@ -12,6 +12,7 @@ bounded handful of statements, and makes one effect.
 
 from __future__ import annotations
 
+import asyncio
 import select
 import struct
 import threading
@@ -29,12 +30,14 @@ from conftest import RecordingSleep
 from pgproxy import LoopbackProxy
 
 from payorch.core import State
+from payorch.execution._async import AsyncExecutor
 from payorch.execution._executor import Executor
 from payorch.operations import default_registry
 from payorch.outcome import Outcome
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.storage import _sessions as sessions
 from payorch.storage import _waiting as waiting
+from payorch.storage._async_store import AsyncStore
 from payorch.storage._store import Store
 from payorch.storage._tables import operations
 
@@ -235,6 +238,69 @@ def test_a_fresh_operation_is_two_round_trips_and_a_replay_one(
         ).scalar_one()
     assert replays == 1
     assert len(sandbox.ledger()) == 9
+
+
+def test_the_async_api_makes_the_same_round_trips(
+    proxy: CountingProxy,
+    postgres_url: str,
+    sandbox: SandboxServer,
+    sandbox_provider: SandboxProvider,
+) -> None:
+    """AsyncExecutor on psycopg's async driver: the same two round trips for a fresh
+    operation and one for a replay, the same events, one effect each."""
+
+    async def run() -> tuple[list[int], Outcome, Outcome, int]:
+        # One connection, as above: what it sends is all the store sends.
+        store = AsyncStore.from_url(proxy.url(postgres_url), pool_size=1, max_overflow=0)
+        ex = AsyncExecutor(
+            store=store,
+            providers=[sandbox_provider],
+            registry=default_registry("sandbox"),
+            lease=timedelta(seconds=30),
+            owner="round-trips-async",
+        )
+
+        async def apay(key: str) -> Outcome:
+            return await ex.execute(
+                tenant_id="shop",
+                operation="payment.create",
+                idempotency_key=key,
+                request=PAYMENT,
+            )
+
+        try:
+            for i in range(8):  # warm: connected, statements prepared (as above)
+                await apay(f"awarm-{i}")
+                await apay(f"awarm-{i}")
+            trips = []
+            proxy.reset()
+            fresh = await apay("afresh-1")
+            trips.append(proxy.round_trips)
+            proxy.reset()
+            again = await apay("afresh-1")
+            trips.append(proxy.round_trips)
+            return trips, fresh, again, proxy.connections
+        finally:
+            await sandbox_provider.aclose()
+            await store.close()
+
+    trips, fresh, again, connections = asyncio.run(run())
+    assert connections == 1
+    assert (fresh.state, fresh.replayed) == (State.SUCCEEDED, False)
+    assert (again.state, again.replayed, again.operation_id) == (
+        State.SUCCEEDED,
+        True,
+        fresh.operation_id,
+    )
+    assert trips[0] <= 2, proxy.messages  # the claim + event; the outcome + event + NOTIFY
+    assert trips[1] <= 1, proxy.messages
+    store = Store.from_url(postgres_url)
+    try:
+        events = store.events("shop", fresh.operation_id)
+    finally:
+        store.close()
+    assert [e.kind for e in events] == ["claimed", "provider_answer"]
+    assert len(sandbox.ledger()) == 9  # eight warm keys and one fresh: one effect each
 
 
 def test_payorch_engines_do_not_pre_ping(postgres_url: str) -> None:

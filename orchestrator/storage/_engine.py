@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy import event, exc
 from sqlalchemy.engine import URL, Connection, Engine
+from sqlalchemy.pool.base import reset_none
 
 from ..errors import (
     CommitUncertain,
@@ -68,6 +69,7 @@ _SQLITE_BUSY = {sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED}
 MAX_TRANSACTION_ATTEMPTS = 8
 _WRITE_OPTION = "payorch_write"
 _IDLE_READS = 4
+_IDLE = 0  # libpq PQTRANS_IDLE (psycopg.pq.TransactionStatus.IDLE): no transaction open
 
 
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
@@ -164,6 +166,8 @@ def _engine_options(
         kwargs.setdefault("pool_timeout", 60)
     # No pre-ping (a round trip per checkout): _configure_postgres checks the socket instead.
     kwargs.setdefault("pool_pre_ping", False)
+    # The rollback on return is payorch's own (_configure_postgres): only what is open.
+    kwargs.setdefault("pool_reset_on_return", None)
     name = _schema(schema)
     pooling = resolve(pooler, listen_url)
     # A transaction pooler refuses the startup option: there the server sets search_path.
@@ -194,6 +198,8 @@ def _forget_connections(engine: Engine) -> None:
 
 def _configure_postgres(engine: Engine) -> None:
     raw_path = _runs_on_driver(engine)
+    if engine.pool._reset_on_return is reset_none:  # payorch's default (_engine_options)
+        _reset_what_is_open(engine)
     # The mode SQLAlchemy gives a fresh connection of this engine (its isolation_level).
     natural = getattr(engine.dialect, "_on_connect_isolation_level", None) == "AUTOCOMMIT"
 
@@ -211,6 +217,21 @@ def _configure_postgres(engine: Engine) -> None:
                 dbapi_conn.autocommit = natural
             except Exception as err:  # psycopg.Error: closed or broken meanwhile
                 raise exc.DisconnectionError(f"pooled PostgreSQL connection broke: {err}") from err
+
+
+def _reset_what_is_open(engine: Engine) -> None:
+    """The pool's rollback on return, skipped where nothing is open: run_sql's connections
+    come back idle in autocommit, where a rollback is a no-op that still costs a call into
+    the driver (an await, on the async one) per statement. Any other state (a transaction
+    open, failed or unknown) is rolled back as the pool's default reset would."""
+
+    @event.listens_for(engine, "reset")
+    def _on_reset(dbapi_conn: Any, _record: Any, state: Any) -> None:
+        if state.terminate_only or not state.asyncio_safe or state.transaction_was_reset:
+            return  # being discarded, or not ours to touch now, or already rolled back
+        driver = getattr(dbapi_conn, "_connection", dbapi_conn)  # the async adapter wraps it
+        if driver.info.transaction_status != _IDLE:
+            dbapi_conn.rollback()
 
 
 def _pg_alive(dbapi_conn: Any) -> bool:

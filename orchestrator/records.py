@@ -30,12 +30,9 @@ goes too: a sensitive object's ``"EUR"`` hides the currency, its ``type`` key ev
 in the operation's stored provider text. The stored request keeps the operation type's effect
 fields as sent (they are never sensitive; see :mod:`payorch.operations`).
 
-While the full request is in hand (``execute()``, its retries, a take-over), all of that is
-known. Afterwards (status queries, webhooks) only the stored request is left, which holds a
-sensitive field as one ``[redacted]``: a value under a name it sits under, anywhere in a
-provider body, goes (providers echo ``metadata[note]`` as ``metadata.note``); one under a name
-it does not show (``pan``, a card's ``cvc`` as ``source.cvc``) stays. A stored request holding
-``[redacted]`` anywhere (:meth:`Redactor.redacted_at`) is not the request sent: never re-sent.
+While the full request is in hand (``execute()``, its retries, a take-over) all of that is
+known; afterwards only the stored request (docs/semantics.md, "Redaction"). A stored request
+holding ``[redacted]`` anywhere (:meth:`Redactor.redacted_at`) is never re-sent.
 """
 
 from __future__ import annotations
@@ -354,10 +351,8 @@ class ClaimResult:
 # -- redaction ------------------------------------------------------------------------------
 
 REDACTED = "[redacted]"
-# Sensitive texts from _MIN_WHOLE characters match as a whole value anywhere (a CVC echoed
-# under another name), from _MIN_TEXT inside longer text too; shorter texts, and numbers or
-# digit-only texts under _MIN_DIGITS digits, only under a sensitive name (an amount of 12 is
-# no expiry month, one of 2030 no expiry year; card and account numbers have 12 or more).
+# Texts from _MIN_WHOLE characters match as a whole value anywhere, from _MIN_TEXT inside
+# text too; shorter ones, and numbers under _MIN_DIGITS digits, only under a sensitive name.
 _MIN_TEXT = 4
 _MIN_WHOLE = 3
 _MIN_DIGITS = 8
@@ -383,10 +378,7 @@ class Redactor:
         """From the sensitive field ``names`` and their values (``sensitive``: the values,
         any JSON), before anything is stored. The keys inside an object or list among the
         values are sensitive names too."""
-        keys = set(names)
-        if not keys and not sensitive:
-            return _NO_SECRETS  # no sensitive field: nothing to gather
-        found = _Found(keys=keys)
+        found = _Found(keys=set(names))
         found.hidden(sensitive)
         return found.redactor()
 
@@ -431,11 +423,8 @@ class Redactor:
             return "the whole request"
         return _placeholder(stored, "")
 
-    def __bool__(self) -> bool:
-        # Asked on every write of an answer: the five sets spelled out, no generator.
-        return bool(
-            self.keys or self.values or self.numbers or self.short_texts or self.short_numbers
-        )
+    def __bool__(self) -> bool:  # asked on every write of an answer: no generator
+        return any((self.keys, self.values, self.numbers, self.short_texts, self.short_numbers))
 
     @functools.cached_property
     def _named(self) -> tuple[tuple[str, ...], ...]:
@@ -603,10 +592,9 @@ class _Found:
             (self.values if long else self.short_texts).add(text)
 
     def redactor(self) -> Redactor:
-        gathered = vars(self)
-        if not any(gathered.values()):
-            return _NO_SECRETS  # the common case, built once
-        return Redactor(**{name: frozenset(found) for name, found in gathered.items()})
+        if not any(vars(self).values()):
+            return _NO_SECRETS  # nothing sensitive (the common case): one shared instance
+        return Redactor(**{name: frozenset(found) for name, found in vars(self).items()})
 
 
 _NO_SECRETS = Redactor()

@@ -20,17 +20,14 @@ import functools
 import os
 import random
 import re
-import select
 import sqlite3
 import weakref
 from collections.abc import Callable, Mapping
-from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event, exc
 from sqlalchemy.engine import URL, Connection, Engine
-from sqlalchemy.pool.base import reset_none
 
 from ..errors import (
     CommitUncertain,
@@ -42,6 +39,7 @@ from ..errors import (
 from ..forks import reset_in_child
 from . import _sessions as sessions
 from ._bridge import pause, wait_for
+from ._checkouts import RAW_CHECKOUT, configure_postgres, runs_on_driver
 from ._pooling import Pooling, normalise_url, resolve
 from ._pooling import configure as configure_pooling
 from ._pooling import engine_options as pooling_options
@@ -68,8 +66,6 @@ RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})
 _SQLITE_BUSY = {sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED}
 MAX_TRANSACTION_ATTEMPTS = 8
 _WRITE_OPTION = "payorch_write"
-_IDLE_READS = 4
-_IDLE = 0  # libpq PQTRANS_IDLE (psycopg.pq.TransactionStatus.IDLE): no transaction open
 
 
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
@@ -164,9 +160,9 @@ def _engine_options(
         kwargs.setdefault("pool_size", 10)
         kwargs.setdefault("max_overflow", 20)  # 30 connections: well under a server's 100
         kwargs.setdefault("pool_timeout", 60)
-    # No pre-ping (a round trip per checkout): _configure_postgres checks the socket instead.
+    # No pre-ping (a round trip per checkout): storage._checkouts checks the socket instead.
     kwargs.setdefault("pool_pre_ping", False)
-    # The rollback on return is payorch's own (_configure_postgres): only what is open.
+    # The rollback on return is payorch's own (storage._checkouts): only what is open.
     kwargs.setdefault("pool_reset_on_return", None)
     name = _schema(schema)
     pooling = resolve(pooler, listen_url)
@@ -184,7 +180,7 @@ def _configure(engine: Engine, schema: str | None, pooling: Pooling) -> None:
         _configure_sqlite(engine)
     else:
         _SCHEMAS[engine] = schema
-        _configure_postgres(engine)
+        configure_postgres(engine)
         configure_pooling(engine, pooling, schema)
     # A forked child starts with an empty pool of its own.
     reset_in_child(engine, _forget_connections)
@@ -194,73 +190,6 @@ def _forget_connections(engine: Engine) -> None:
     """In a forked child: a new pool; the parent's connections are dropped, not closed
     (closing would end the parent's sessions; the drivers' finalizers leave them alone)."""
     engine.dispose(close=False)
-
-
-def _configure_postgres(engine: Engine) -> None:
-    raw_path = _runs_on_driver(engine)
-    if engine.pool._reset_on_return is reset_none:  # payorch's default (_engine_options)
-        _reset_what_is_open(engine)
-    # The mode SQLAlchemy gives a fresh connection of this engine (its isolation_level).
-    natural = getattr(engine.dialect, "_on_connect_isolation_level", None) == "AUTOCOMMIT"
-
-    @event.listens_for(engine, "checkout")
-    def _on_checkout(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
-        # The pool then discards it and checks out (or opens) another.
-        if not _pg_alive(dbapi_conn):
-            raise exc.DisconnectionError("pooled PostgreSQL connection found closed")
-        # run_sql leaves its connections in autocommit, the mode its statements need, so
-        # the hot path switches no mode per statement; every other user gets the mode
-        # SQLAlchemy expects back (the driver's transactions, unless the engine's own
-        # isolation_level is AUTOCOMMIT).
-        if raw_path and dbapi_conn.autocommit != natural and not _RAW_CHECKOUT.get():
-            try:
-                dbapi_conn.autocommit = natural
-            except Exception as err:  # psycopg.Error: closed or broken meanwhile
-                raise exc.DisconnectionError(f"pooled PostgreSQL connection broke: {err}") from err
-
-
-def _reset_what_is_open(engine: Engine) -> None:
-    """The pool's rollback on return, skipped where nothing is open: run_sql's connections
-    come back idle in autocommit, where a rollback is a no-op that still costs a call into
-    the driver (an await, on the async one) per statement. Any other state (a transaction
-    open, failed or unknown) is rolled back as the pool's default reset would."""
-
-    @event.listens_for(engine, "reset")
-    def _on_reset(dbapi_conn: Any, _record: Any, state: Any) -> None:
-        if state.terminate_only or not state.asyncio_safe or state.transaction_was_reset:
-            return  # being discarded, or not ours to touch now, or already rolled back
-        driver = getattr(dbapi_conn, "_connection", dbapi_conn)  # the async adapter wraps it
-        if driver.info.transaction_status != _IDLE:
-            dbapi_conn.rollback()
-
-
-def _pg_alive(dbapi_conn: Any) -> bool:
-    """Whether an idle pooled psycopg connection is still open, without a round trip.
-
-    An idle connection has nothing to read. If its socket is readable, the server has
-    spoken or hung up (a terminated backend sends its FATAL, then closes): read it, and a
-    closed connection shows. Sending a statement there first would make its failure look
-    like one after sending, i.e. uncertain.
-    """
-    conn = getattr(dbapi_conn, "_connection", dbapi_conn)  # the async adapter wraps it
-    pgconn = getattr(conn, "pgconn", None)
-    if pgconn is None:  # pragma: no cover - not psycopg: nothing to look at
-        return True
-    if conn.closed or getattr(conn, "broken", False):
-        return False
-    try:
-        poller = select.poll()
-        poller.register(pgconn.socket, select.POLLIN)
-        # A FATAL message first, then the end of the stream: read until nothing is left.
-        for _ in range(_IDLE_READS):
-            if not poller.poll(0):
-                break
-            pgconn.consume_input()
-        else:
-            return False  # an idle connection that keeps talking is not one to trust
-    except Exception:  # noqa: BLE001 - psycopg.OperationalError or OSError: it is dead
-        return False
-    return bool(pgconn.status == 0)  # CONNECTION_OK
 
 
 def _configure_sqlite(engine: Engine) -> None:
@@ -488,7 +417,7 @@ def run_sql_rows(
 def _run_sql(
     engine: Engine, sql: str, params: Mapping[str, Any], *, write: bool, every: bool
 ) -> list[tuple[Any, ...]]:
-    if not _runs_on_driver(engine):
+    if not runs_on_driver(engine):
         return _run_sql_via_sqlalchemy(engine, sql, params, write=write, every=every)
     error: type[Exception] = engine.dialect.loaded_dbapi.Error
     fetch = _fetch_awaited if engine.dialect.is_async else _fetch
@@ -569,21 +498,9 @@ async def _fetch_async(
     return await cursor.fetchall() if every else [await cursor.fetchone()]
 
 
-def _runs_on_driver(engine: Engine) -> bool:
-    """Whether :func:`run_sql` runs on the pooled driver connection itself (psycopg, sync or
-    async); elsewhere it goes through SQLAlchemy and never leaves autocommit on."""
-    return engine.dialect.driver == "psycopg"  # "postgresql+psycopg", sync or async
-
-
-# Set while run_sql checks a connection out: the checkout listener then leaves autocommit on.
-# A context variable, not a thread-local: under the async bridge many greenlets share a
-# thread, and a checkout may await (open a connection) while another greenlet checks out.
-_RAW_CHECKOUT: ContextVar[bool] = ContextVar("payorch_raw_checkout", default=False)
-
-
 def _checkout(engine: Engine, error: type[Exception]) -> Any:
     """A pooled connection (the checkout listener drops a dead one), or the mapped error."""
-    token = _RAW_CHECKOUT.set(True)
+    token = RAW_CHECKOUT.set(True)
     try:
         return engine.raw_connection()
     except error as orig:  # no connection could be opened
@@ -592,7 +509,7 @@ def _checkout(engine: Engine, error: type[Exception]) -> Any:
     except exc.SQLAlchemyError as timeout:  # the pool's time-out
         raise map_db_error(timeout) from timeout
     finally:
-        _RAW_CHECKOUT.reset(token)
+        RAW_CHECKOUT.reset(token)
 
 
 def _run_sql_via_sqlalchemy(

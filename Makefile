@@ -35,6 +35,7 @@ demo: install
 	$(VENV)/bin/payorch demo
 
 bench: install
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	$(PY) benchmarks/run.py
 
 clean:

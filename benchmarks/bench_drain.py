@@ -346,7 +346,9 @@ def drain(
                 .where(events.c.kind == "status_query")
                 .group_by(events.c.operation_id)
             ).all()
-        ids = {op for op, _ in per_op}
+            # The ledger knows an effect by the downstream key it was made under (derived
+            # from the namespace, not the operation id).
+            keys = set(conn.execute(sa.select(operations.c.downstream_key)).scalars())
     finally:
         procs.kill()
         store.close()
@@ -354,7 +356,7 @@ def drain(
     effects = sum(
         1
         for e in sandbox.ledger()
-        if e["metadata"].get("operation_id") in ids and e["status"] in ("succeeded", "processing")
+        if e["idempotency_key"] in keys and e["status"] in ("succeeded", "processing")
     )
     result = procs.result(reports, n=n, concurrency=concurrency, latency=latency)
     return replace(

@@ -1,4 +1,5 @@
-"""Throughput of ``Executor.execute()`` and of the raw two-commit floors it is compared with.
+"""Throughput of ``Executor.execute()``: the timed loop, the interleaved rounds, the instant
+provider, execute()'s workloads and SQLite's floor (PostgreSQL's floors: ``bench_floors``).
 
 Every workload is a :data:`Factory`: called once per thread (outside the timed region, so
 connections are opened before the clock starts), it returns the per-operation callable that
@@ -17,9 +18,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-import psycopg
-from psycopg.types.json import Json
-
 from payorch import Executor
 from payorch.core import State
 from payorch.errors import WebhookSignatureInvalid
@@ -33,8 +31,6 @@ REQUEST: Mapping[str, Any] = {
     "customer": "cus_42",
     "payment_method": "pm_card_visa",
 }
-# A fixed, well-formed fingerprint for the hand-written SQL (the executor computes its own).
-FINGERPRINT = "0" * 64
 
 
 # -- the timed loop -----------------------------------------------------------------------
@@ -296,219 +292,6 @@ def replay_workload(executor: Executor, tenant: str) -> Callable[[str], Factory]
         return factory
 
     return factory_for
-
-
-# -- workloads: the raw psycopg floor on PostgreSQL -----------------------------------------
-
-PG_FLOOR_DDL = """
-CREATE TABLE IF NOT EXISTS bench_floor (
-    tenant_id varchar(64) NOT NULL,
-    id varchar(36) NOT NULL,
-    operation varchar(64) NOT NULL,
-    idempotency_key varchar(255) NOT NULL,
-    state varchar(20) NOT NULL,
-    provider_reference varchar(255),
-    version integer NOT NULL,
-    created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-    updated_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-    PRIMARY KEY (tenant_id, id),
-    UNIQUE (tenant_id, operation, idempotency_key)
-)
-"""
-
-PG_FLOOR_INSERT = """
-INSERT INTO bench_floor (tenant_id, id, operation, idempotency_key, state, version)
-VALUES (%s, %s, %s, %s, 'in_progress', 1)
-ON CONFLICT (tenant_id, operation, idempotency_key) DO NOTHING
-RETURNING id, version
-"""
-
-PG_FLOOR_UPDATE = """
-UPDATE bench_floor
-SET state = 'succeeded', provider_reference = %s, version = version + 1,
-    updated_at = clock_timestamp()
-WHERE tenant_id = %s AND id = %s AND version = %s
-RETURNING version
-"""
-
-PG_FLOOR_SELECT = """
-SELECT * FROM bench_floor WHERE tenant_id = %s AND operation = %s AND idempotency_key = %s
-"""
-
-
-def pg_floor_workload(conninfo: str, tenant: str) -> Callable[[str], Factory]:
-    """Per operation: INSERT ... ON CONFLICT DO NOTHING RETURNING + commit, UPDATE + commit."""
-
-    def factory_for(prefix: str) -> Factory:
-        def factory(t: int) -> Worker:
-            conn = psycopg.connect(conninfo)
-
-            def op(i: int) -> bool:
-                row = conn.execute(
-                    PG_FLOOR_INSERT, (tenant, new_id(), OPERATION, key(prefix, t, i))
-                ).fetchone()
-                conn.commit()
-                if row is None:
-                    return False
-                op_id, version = row
-                done = conn.execute(
-                    PG_FLOOR_UPDATE, (f"ref_{op_id}", tenant, op_id, version)
-                ).fetchone()
-                conn.commit()
-                return done is not None
-
-            return Worker(op, conn.close)
-
-        return factory
-
-    return factory_for
-
-
-def pg_replay_floor_workload(conninfo: str, tenant: str) -> Callable[[str], Factory]:
-    """One transaction: the claim INSERT finds the key taken, then reads the row; commit."""
-
-    def factory_for(prefix: str) -> Factory:
-        def factory(t: int) -> Worker:
-            conn = psycopg.connect(conninfo)
-
-            def op(i: int) -> bool:
-                k = key(prefix, t, i)
-                row = conn.execute(PG_FLOOR_INSERT, (tenant, new_id(), OPERATION, k)).fetchone()
-                found = conn.execute(PG_FLOOR_SELECT, (tenant, OPERATION, k)).fetchone()
-                conn.commit()
-                return row is None and found is not None
-
-            return Worker(op, conn.close)
-
-        return factory
-
-    return factory_for
-
-
-# -- workloads: payorch's own statements, hand-written ----------------------------------------
-
-PG_SHAPED_DDL = (
-    "CREATE TABLE IF NOT EXISTS bench_shaped_ops (LIKE payorch_operations INCLUDING ALL)",
-    "CREATE TABLE IF NOT EXISTS bench_shaped_events (LIKE payorch_events INCLUDING ALL)",
-)
-
-PG_SHAPED_CLAIM = """
-INSERT INTO bench_shaped_ops (
-    tenant_id, id, operation, idempotency_key, fingerprint, state, provider, downstream_key,
-    amount, currency, request, retention_seconds, possibly_sent, attempts, checks,
-    needs_attention, lease_owner, lease_expires_at, next_check_at, version, created_at,
-    updated_at)
-VALUES (%s, %s, %s, %s, %s, 'in_progress', 'instant', %s, 1999, 'EUR', %s, 2592000, true, 1, 0,
-    false, %s, clock_timestamp() + make_interval(secs => 60),
-    clock_timestamp() + make_interval(secs => 60), 1, clock_timestamp(), clock_timestamp())
-ON CONFLICT (tenant_id, operation, idempotency_key) DO NOTHING
-RETURNING *
-"""
-
-PG_SHAPED_EVENT = """
-INSERT INTO bench_shaped_events (
-    tenant_id, id, operation_id, kind, actor, from_state, to_state, version, detail, created_at)
-VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, clock_timestamp())
-"""
-
-PG_SHAPED_RECORD = """
-UPDATE bench_shaped_ops
-SET state = 'succeeded', version = version + 1, updated_at = clock_timestamp(),
-    lease_owner = NULL, lease_expires_at = NULL, next_check_at = NULL,
-    completed_at = clock_timestamp(),
-    retain_until = clock_timestamp() + make_interval(secs => retention_seconds),
-    provider_reference = %s, response = %s, error_code = NULL, resolution = 'provider_answer'
-WHERE tenant_id = %s AND id = %s AND version = %s
-RETURNING *
-"""
-
-
-def pg_shaped_workload(conninfo: str, tenant: str) -> Callable[[str], Factory]:
-    """The statements ``execute()`` issues (claim + event; fenced update + event + NOTIFY),
-    hand-written in plain psycopg against copies of payorch's tables: what the SQL costs
-    without the library around it."""
-
-    def factory_for(prefix: str) -> Factory:
-        def factory(t: int) -> Worker:
-            conn = psycopg.connect(conninfo)
-            owner = f"bench:{t}"
-
-            def op(i: int) -> bool:
-                k = key(prefix, t, i)
-                op_id = new_id()
-                claimed = conn.execute(
-                    PG_SHAPED_CLAIM,
-                    (
-                        tenant,
-                        op_id,
-                        OPERATION,
-                        k,
-                        FINGERPRINT,
-                        f"payorch:{op_id}:submit",
-                        Json(dict(REQUEST)),
-                        owner,
-                    ),
-                ).fetchone()
-                if claimed is None:
-                    conn.commit()
-                    return False
-                detail = {"idempotency_key": k, "fingerprint": FINGERPRINT}
-                conn.execute(
-                    PG_SHAPED_EVENT,
-                    (
-                        tenant,
-                        new_id(),
-                        op_id,
-                        "claimed",
-                        owner,
-                        None,
-                        "in_progress",
-                        1,
-                        Json(detail),
-                    ),
-                )
-                conn.commit()
-                ref = f"ref_{op_id}"
-                response = {
-                    "status": "succeeded",
-                    "http_status": 200,
-                    "provider_reference": ref,
-                    "provider_response": None,
-                }
-                done = conn.execute(
-                    PG_SHAPED_RECORD, (ref, Json(response), tenant, op_id, 1)
-                ).fetchone()
-                evidence = {"attempt": 1, "kind": "succeeded", "provider_reference": ref}
-                conn.execute(
-                    PG_SHAPED_EVENT,
-                    (
-                        tenant,
-                        new_id(),
-                        op_id,
-                        "provider_answer",
-                        owner,
-                        "in_progress",
-                        "succeeded",
-                        2,
-                        Json(evidence),
-                    ),
-                )
-                conn.execute("SELECT pg_notify('bench_shaped', %s)", (f"{tenant}:{op_id}",))
-                conn.commit()
-                return done is not None
-
-            return Worker(op, conn.close)
-
-        return factory
-
-    return factory_for
-
-
-def prepare_pg_floors(conninfo: str) -> None:
-    with psycopg.connect(conninfo, autocommit=True) as conn:
-        conn.execute(PG_FLOOR_DDL)
-        for ddl in PG_SHAPED_DDL:
-            conn.execute(ddl)
 
 
 # -- workloads: the raw floor on SQLite ------------------------------------------------------

@@ -33,6 +33,11 @@ class Options:
     sqlite: bool
     sandbox: bool
     json_path: Path | None
+    async_ops: int = 1000  # per arm and N in flight (bench_async_http)
+    in_flight: tuple[int, ...] = (64, 256)
+    async_http: bool = True
+    dbos: bool = True
+    breakdown_ops: int = 2000  # bench_breakdown: operations one at a time, per API
 
     def pg_ops(self, threads: int) -> int:
         return self.ops if threads == 1 else self.threaded_ops
@@ -44,6 +49,9 @@ class Report:
     # section ("postgres", "sandbox", "sqlite") -> threads -> the interleaved comparison
     sections: dict[str, dict[int, bx.Comparison]] = field(default_factory=dict)
     scan: list[bench_scan.ScanResult] = field(default_factory=list)
+    # Figures of a section that are not RunResults (bench_async_http's memory, the sandbox
+    # alone; why DBOS did not run), JSON-able as they stand.
+    extra: dict[str, Any] = field(default_factory=dict)
     elapsed_s: float = 0.0
 
     def add(self, section: str, threads: int, comparison: bx.Comparison) -> None:
@@ -64,6 +72,7 @@ class Report:
                 "p50_ms": round(r.p50_ms, 3),
                 "p99_ms": round(r.p99_ms, 3),
                 "unexpected": r.unexpected,
+                "cpu_ms_per_op": round(r.cpu_ms_per_op, 3),
             }
 
         sections = {
@@ -84,6 +93,7 @@ class Report:
             "environment": self.environment,
             "throughput": sections,
             "scan": scan,
+            "extra": self.extra,
             "elapsed_s": round(self.elapsed_s, 1),
         }
 

@@ -1,9 +1,10 @@
 """How the benchmark run's figures are printed (the report half of run.py): the sections of
-its own, then each other module's (bench_metrics, bench_tracing) in turn."""
+its own, then each other module's (bench_metrics, bench_tracing, bench_async_http) in turn."""
 
 from __future__ import annotations
 
 import bench_scan
+from bench_async_http import print_async_http
 from bench_metrics import print_metrics
 from bench_tracing import print_tracing
 from figures import Options, Report, extra_ms, lat, ops, ratio, ratio_range, table
@@ -39,7 +40,8 @@ def _print_header(console: Console, report: Report, opts: Options) -> None:
     console.print(
         f"operations per configuration: PostgreSQL {opts.ops:,} single-threaded, "
         f"{opts.threaded_ops:,} multi-threaded; SQLite {opts.sqlite_ops:,}; replays "
-        f"{opts.replay_ops:,}; HTTP {opts.http_ops:,}.\n"
+        f"{opts.replay_ops:,}; HTTP {opts.http_ops:,}; async HTTP {opts.async_ops:,} per arm "
+        f"and N in flight ({', '.join(map(str, opts.in_flight))}).\n"
         f"Each configuration runs its workloads in {opts.rounds} alternating rounds (after "
         f"{opts.warmup} untimed warm-up operations each), so drift hits them alike; the\n"
         "min-max of the per-round ratio is shown. Client threads, database server and "
@@ -49,8 +51,8 @@ def _print_header(console: Console, report: Report, opts: Options) -> None:
 
 def _print_postgres(console: Console, report: Report, opts: Options) -> None:
     t = table(
-        "PostgreSQL: execute() (instant in-process provider) vs the raw two-commit psycopg floor "
-        "(ops/s; p50 / p99 ms)",
+        "PostgreSQL: execute() (instant in-process provider) vs the raw psycopg floor, one "
+        "statement per phase (ops/s; p50 / p99 ms)",
         (
             "threads",
             "floor",
@@ -91,20 +93,25 @@ def _print_postgres(console: Console, report: Report, opts: Options) -> None:
     console.print(t)
     console.print(
         "  +ms/op: extra wall time per operation of execute() over the floor.\n"
-        "  floor: per operation INSERT .. ON CONFLICT DO NOTHING RETURNING + commit, then "
-        "UPDATE + commit; plain psycopg 3, narrow scratch table.\n"
-        "  same SQL: payorch's own statements (claim + event; fenced update + event + "
-        "NOTIFY) hand-written in psycopg on copies of its tables.\n"
+        "  floor: plain psycopg 3 in autocommit, a connection per thread, narrow scratch table; "
+        "per operation INSERT .. ON CONFLICT DO NOTHING\n"
+        "    RETURNING id, version (one round trip, its own commit), then the version-fenced "
+        "UPDATE .. RETURNING version (one round trip, its own commit).\n"
+        "  same SQL: the two statements one execute() sends (the claim with its event; the "
+        "fenced update with its event and NOTIFY), captured at the\n"
+        "    psycopg cursor and run in plain psycopg (autocommit, a connection per thread) on "
+        "payorch's tables, fresh ids and keys per operation.\n"
         "  no pre-ping: execute() on an engine created with pool_pre_ping=False explicitly "
         "(payorch's default engine no longer pings either: the two arms should match).\n"
         "  CPU ms/op e / f: client process CPU (time.process_time) per operation, execute() / "
         "floor; includes the in-process provider."
     )
+    _print_dbos(console, report, opts)
     t = table(
         "PostgreSQL: replays, execute() of a key that already succeeded (ops/s; p50 / p99 ms)",
         (
             "threads",
-            "one-commit floor",
+            "one-statement floor",
             "p50 / p99",
             "replay",
             "p50 / p99 ",
@@ -130,7 +137,49 @@ def _print_postgres(console: Console, report: Report, opts: Options) -> None:
         )
     console.print(t)
     console.print(
-        "  one-commit floor: the claim INSERT finds the key taken, a SELECT reads the row, commit."
+        "  one-statement floor: in autocommit, one round trip: a CTE whose INSERT .. ON "
+        "CONFLICT DO NOTHING finds the key taken and whose SELECT reads the row."
+    )
+
+
+def _print_dbos(console: Console, report: Report, opts: Options) -> None:
+    if not any(report.result("postgres", n, "dbos") for n in opts.threads):
+        if "dbos" in report.extra:
+            console.print(str(report.extra["dbos"]), highlight=False, markup=False)
+        return
+    t = table(
+        "PostgreSQL: execute() vs a DBOS workflow with one step (the same instant provider), "
+        "same server, same rounds (ops/s; p50 / p99 ms)",
+        (
+            "threads",
+            "DBOS",
+            "p50 / p99",
+            "execute()",
+            "execute/DBOS",
+            "per round",
+            "DBOS/floor",
+            "CPU ms/op d / e",
+        ),
+        bold=("execute/DBOS",),
+    )
+    for n in opts.threads:
+        dbos = report.result("postgres", n, "dbos")
+        fresh = report.result("postgres", n, "execute")
+        t.add_row(
+            str(n),
+            ops(dbos),
+            lat(dbos),
+            ops(fresh),
+            ratio(fresh, dbos),
+            ratio_range(report, "postgres", n, "execute", "dbos"),
+            ratio(dbos, report.result("postgres", n, "floor")),
+            f"{dbos.cpu_ms_per_op:.2f} / {fresh.cpu_ms_per_op:.2f}" if dbos and fresh else "-",
+        )
+    console.print(t)
+    console.print(
+        "  DBOS: per operation a @DBOS.workflow whose id is the operation's namespace "
+        "(SetWorkflowID), its one @DBOS.step calling the instant provider;\n"
+        "    DBOS's system database on the same server, created at launch and dropped after."
     )
 
 
@@ -281,6 +330,7 @@ def print_report(console: Console, report: Report, opts: Options) -> None:
     if "sqlite" in report.sections:
         _print_sqlite(console, report)
     _print_async(console, report)
+    print_async_http(console, report)
     if report.scan:
         _print_scan(console, report)
     for section, by_threads in report.sections.items():

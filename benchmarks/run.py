@@ -1,8 +1,10 @@
-"""payorch benchmarks: ``execute()`` against a raw two-commit floor, and the reconciler's scan
-cost against table size. Prints figures and ratios; asserts nothing.
+"""payorch benchmarks: ``execute()`` against the raw psycopg floor (one statement per phase) and
+DBOS, the async path at 100 ms of provider latency against an async floor, the duplicate
+storm, the backlog drain, and the reconciler's scan cost against table size. Prints figures
+and ratios; asserts nothing.
 
-    .venv/bin/python benchmarks/run.py            # what `make bench` runs (~5 minutes)
-    .venv/bin/python benchmarks/run.py --quick    # smaller counts (~1.5 minutes)
+    .venv/bin/python benchmarks/run.py            # what `make bench` runs (~7 minutes)
+    .venv/bin/python benchmarks/run.py --quick    # smaller counts (~2.5 minutes)
 
 PostgreSQL comes from $PAYORCH_BENCH_DATABASE_URL or a throwaway cluster started with
 tests/pgcluster.py (stopped and deleted at the end); every database the run creates is
@@ -30,9 +32,13 @@ from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_async_http
+import bench_breakdown
 import bench_db
+import bench_dbos
 import bench_drain
 import bench_execute as bx
+import bench_floors as bf
 import bench_goals
 import bench_metrics
 import bench_scan
@@ -65,10 +71,13 @@ def instant_executor(store: Store, owner: str) -> Executor:
     )
 
 
-def bench_postgres(db: bench_db.Database, opts: Options, report: Report, say: Say) -> None:
-    """execute() with the instant provider, the raw floor and payorch's SQL hand-written,
-    interleaved; then (optionally) execute() through the sandbox over loopback HTTP."""
-    bx.prepare_pg_floors(db.conninfo)
+def bench_postgres(
+    server: bench_db.Server, db: bench_db.Database, opts: Options, report: Report, say: Say
+) -> None:
+    """execute() with the instant provider, the raw floor, payorch's SQL driven by hand and
+    DBOS, interleaved; then (optionally) execute() through the sandbox over loopback HTTP."""
+    bf.prepare_pg_floors(db.conninfo)
+    captured, captured_key = bf.capture_execute(db.url, TENANT, "bench-executor")
     store = Store.from_url(db.url)
     executor = instant_executor(store, "bench-executor")
     # The same, on an engine without payorch's default pool_pre_ping (a SELECT 1 per checkout).
@@ -78,10 +87,10 @@ def bench_postgres(db: bench_db.Database, opts: Options, report: Report, say: Sa
     arms = [
         bx.Arm(
             name="floor",
-            fresh=bx.pg_floor_workload(db.conninfo, TENANT),
-            replay=bx.pg_replay_floor_workload(db.conninfo, TENANT),
+            fresh=bf.pg_floor_workload(db.conninfo, TENANT),
+            replay=bf.pg_replay_floor_workload(db.conninfo, TENANT),
         ),
-        bx.Arm(name="shaped", fresh=bx.pg_shaped_workload(db.conninfo, TENANT)),
+        bx.Arm(name="shaped", fresh=bf.pg_same_sql_workload(db.conninfo, captured, captured_key)),
         bx.Arm(
             name="execute",
             fresh=bx.execute_workload(executor, TENANT),
@@ -91,9 +100,25 @@ def bench_postgres(db: bench_db.Database, opts: Options, report: Report, say: Sa
         # N threads for the sync arms are N concurrent tasks on one loop here.
         bx.Arm(name="execute_async", fresh=bx.execute_workload(executor, TENANT), runner=aio.run),
     ]
+    dbos: bench_dbos.DbosBench | None = None
+    if not opts.dbos:
+        report.extra["dbos"] = "DBOS: skipped (--no-dbos)"
+    elif not bench_dbos.available():
+        report.extra["dbos"] = bench_dbos.NOT_INSTALLED
+    else:
+        say("DBOS: launching, its system database on the same server")
+        try:
+            dbos = bench_dbos.DbosBench(server, bx.InstantProvider())
+        except Exception as exc:  # noqa: BLE001 - the run goes on without the arm, and says why
+            report.extra["dbos"] = f"DBOS: could not launch ({type(exc).__name__}: {exc})"
+        else:
+            arms.append(bx.Arm(name="dbos", fresh=dbos.workload(TENANT)))
     try:
         for n in opts.threads:
-            say(f"PostgreSQL, {n} thread(s): floors, execute() (two engines), replays, interleaved")
+            say(
+                f"PostgreSQL, {n} thread(s): floors, same SQL, execute() (two engines), "
+                f"{'DBOS, ' if dbos else ''}replays, interleaved"
+            )
             report.add(
                 "postgres",
                 n,
@@ -106,11 +131,16 @@ def bench_postgres(db: bench_db.Database, opts: Options, report: Report, say: Sa
                     warmup=opts.warmup,
                 ),
             )
+        if dbos is not None:
+            dbos.close()
+            dbos = None
         bench_metrics.bench_metrics(executor, TENANT + "-m", opts, report, say)
         bench_tracing.bench_tracing(executor, TENANT + "-t", opts, report, say)
         if opts.sandbox:
             bench_sandbox(store, executor, opts, report, say)
     finally:
+        if dbos is not None:
+            dbos.close()
         store.close()
         unpinged.close()
         aio.close()
@@ -202,10 +232,10 @@ def bench_fsync_off(opts: Options, report: Report, say: Say) -> None:
             f"fsync={s['fsync']} synchronous_commit={s['synchronous_commit']} "
             f"full_page_writes={s['full_page_writes']}"
         )
-        bx.prepare_pg_floors(db.conninfo)
+        bf.prepare_pg_floors(db.conninfo)
         store = Store.from_url(db.url)
         arms = [
-            bx.Arm(name="floor", fresh=bx.pg_floor_workload(db.conninfo, TENANT)),
+            bx.Arm(name="floor", fresh=bf.pg_floor_workload(db.conninfo, TENANT)),
             bx.Arm(
                 name="execute",
                 fresh=bx.execute_workload(instant_executor(store, "bench-nofsync"), TENANT),
@@ -292,11 +322,20 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--drain-concurrency", type=int, default=32, help="checks at once per daemon")
     p.add_argument("--storms", type=int, default=10, help="duplicate storms of 100 (0 skips)")
     p.add_argument("--no-fsync-off", action="store_true", help="skip the fsync=off secondary run")
+    p.add_argument("--no-dbos", action="store_true", help="skip the DBOS workflow arm")
+    p.add_argument("--async-ops", type=int, default=1000, help="async HTTP ops per arm and N")
+    p.add_argument("--in-flight", default="64,256", help="async HTTP operations in flight")
+    p.add_argument("--no-async-http", action="store_true", help="skip the async HTTP benchmark")
+    p.add_argument(
+        "--breakdown-ops", type=int, default=2000, help="ops for the CPU per phase (0 skips)"
+    )
     p.add_argument("--quick", action="store_true", help="small counts: a smoke run")
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     a = p.parse_args(argv)
     if a.quick:
         a.ops, a.threaded_ops, a.sqlite_ops, a.replay_ops, a.http_ops = 300, 200, 200, 100, 60
+        a.async_ops = min(a.async_ops, 300)
+        a.breakdown_ops = min(a.breakdown_ops, 300)
         a.warmup, a.rounds = 10, 2
         if a.sizes == DEFAULT_SIZES:
             a.sizes = "5000,20000"
@@ -322,6 +361,11 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         sqlite=not a.no_sqlite,
         sandbox=not a.no_sandbox,
         json_path=a.json,
+        async_ops=max(1, a.async_ops),
+        in_flight=_ints(a.in_flight) or (64,),
+        async_http=not a.no_async_http,
+        dbos=not a.no_dbos,
+        breakdown_ops=max(0, a.breakdown_ops),
     )
 
 
@@ -374,7 +418,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             shared_buffers=settings["shared_buffers"],
         )
         with bench_db.fresh_database(server, "payorch_bench_exec") as db:
-            bench_postgres(db, opts, report, say)
+            bench_postgres(server, db, opts, report, say)
+        breakdown: dict[str, bench_breakdown.Breakdown] = {}
+        if opts.breakdown_ops:
+            with bench_db.fresh_database(server, "payorch_bench_breakdown") as db:
+                say(f"CPU per phase: {opts.breakdown_ops} operations one at a time, sync, async")
+                breakdown = bench_breakdown.measure(db.url, ops=opts.breakdown_ops)
+                report.extra["breakdown"] = bench_breakdown.summary(breakdown)
+        if opts.async_http:
+            with bench_db.fresh_database(server, "payorch_bench_async") as db:
+                bench_async_http.run_async_http(db, opts, report, say)
         storm: list[bench_storm.StormResult] = []
         for executors in ("one", "each") if EXTRA[0] else ():
             with bench_db.fresh_database(server, "payorch_bench_storm") as db:
@@ -407,6 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.elapsed_s = time.perf_counter() - started
     report.environment["load_after"] = _load()
     print_report(console, report, opts)
+    bench_breakdown.print_breakdown(console, breakdown)
     bench_goals.print_fsync_off(console, report, opts)
     bench_storm.print_storm(console, storm)
     bench_drain.print_drain(console, drained)

@@ -285,7 +285,13 @@ async def timed(op: Op, tasks: int, total: int) -> bx.RunResult:
 
 
 async def interleave(
-    arms: dict[str, OpFactory], *, tasks: int, total: int, rounds: int, warmup: int
+    arms: dict[str, OpFactory],
+    *,
+    tasks: int,
+    total: int,
+    rounds: int,
+    warmup: int,
+    after_warmup: Callable[[], None] | None = None,
 ) -> bx.Comparison:
     """As :func:`bench_execute.interleave`: warm-up, then rounds with the order rotating."""
     names = list(arms)
@@ -294,6 +300,8 @@ async def interleave(
     for name in names:
         if warmup:
             await timed(arms[name](f"{name}-w-n{tasks}-{tag}"), tasks, warmup)
+    if after_warmup is not None:
+        after_warmup()  # bench_db.analyze: the statistics a live database has
     collected: dict[str, list[bx.RunResult]] = {}
     for r, share in enumerate(bx.split(total, rounds)):
         for name in names[r % len(names) :] + names[: r % len(names)]:
@@ -441,6 +449,7 @@ async def _run(db: bench_db.Database, opts: Options, report: Report, say: Say) -
                         total=max(opts.async_ops, n),
                         rounds=opts.rounds,
                         warmup=min(2 * n, opts.async_ops),
+                        after_warmup=lambda: bench_db.analyze(db.conninfo),
                     ),
                 )
             for n in opts.in_flight:

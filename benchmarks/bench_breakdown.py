@@ -112,7 +112,7 @@ def _patched(breakdown: Breakdown) -> Iterator[None]:
             setattr(owner, name, original)
 
 
-def _sync(url: str, ops: int, warmup: int, tag: str) -> Breakdown:
+def _sync(url: str, ops: int, warmup: int, tag: str, settle: Callable[[], None]) -> Breakdown:
     store = Store.from_url(url)
     executor = Executor(
         store=store,
@@ -133,6 +133,7 @@ def _sync(url: str, ops: int, warmup: int, tag: str) -> Breakdown:
     try:
         for i in range(warmup):
             one(f"{tag}-w{i}")
+        settle()
         breakdown = Breakdown()
         with _patched(breakdown):
             for i in range(ops):
@@ -147,7 +148,7 @@ def _sync(url: str, ops: int, warmup: int, tag: str) -> Breakdown:
         store.close()
 
 
-def _async(url: str, ops: int, warmup: int, tag: str) -> Breakdown:
+def _async(url: str, ops: int, warmup: int, tag: str, settle: Callable[[], None]) -> Breakdown:
     async def run() -> Breakdown:
         store = AsyncStore.from_url(url)
         executor = AsyncExecutor(
@@ -169,6 +170,7 @@ def _async(url: str, ops: int, warmup: int, tag: str) -> Breakdown:
         try:
             for i in range(warmup):
                 await one(f"{tag}-aw{i}")
+            settle()
             breakdown = Breakdown()
             with _patched(breakdown):
                 for i in range(ops):
@@ -185,12 +187,21 @@ def _async(url: str, ops: int, warmup: int, tag: str) -> Breakdown:
     return asyncio.run(run())
 
 
-def measure(url: str, *, ops: int, warmup: int = 100) -> dict[str, Breakdown]:
+def measure(
+    url: str,
+    *,
+    ops: int,
+    warmup: int = 100,
+    after_warmup: Callable[[], None] = lambda: None,
+) -> dict[str, Breakdown]:
     """The breakdown of ``execute()`` (sync) and ``AsyncExecutor.execute()`` (async) on the
-    PostgreSQL database at ``url`` (already migrated)."""
+    PostgreSQL database at ``url`` (already migrated); ``after_warmup`` runs between the
+    warm-up and the measured operations (the benchmark's ANALYZE)."""
     tag = bx.new_id()[-8:]
-    runs: dict[str, Callable[[str, int, int, str], Breakdown]] = {"sync": _sync, "async": _async}
-    return {name: run(url, ops, warmup, tag) for name, run in runs.items()}
+    return {
+        "sync": _sync(url, ops, warmup, tag, after_warmup),
+        "async": _async(url, ops, warmup, tag, after_warmup),
+    }
 
 
 _LABELS = {

@@ -177,7 +177,14 @@ class Comparison:
 
 
 def interleave(
-    arms: list[Arm], *, threads: int, total: int, replays: int, rounds: int, warmup: int
+    arms: list[Arm],
+    *,
+    threads: int,
+    total: int,
+    replays: int,
+    rounds: int,
+    warmup: int,
+    after_warmup: Callable[[], None] | None = None,
 ) -> Comparison:
     """Run the arms in alternation, ``rounds`` times, each time ``total/rounds`` operations.
 
@@ -192,6 +199,8 @@ def interleave(
     for arm in arms:
         if warmup:
             arm.run(threads, warmup, f"{arm.name}-w-t{threads}-{tag}")
+    if after_warmup is not None:
+        after_warmup()  # e.g. bench_db.analyze: the statistics a live database has
     collected: dict[str, list[RunResult]] = {}
     for r in range(rounds):
         order = arms[r % len(arms) :] + arms[: r % len(arms)]

@@ -129,6 +129,7 @@ def bench_postgres(
                     replays=opts.replay_ops,
                     rounds=opts.rounds,
                     warmup=opts.warmup,
+                    after_warmup=lambda: bench_db.analyze(db.conninfo),
                 ),
             )
         if dbos is not None:
@@ -254,6 +255,7 @@ def bench_fsync_off(opts: Options, report: Report, say: Say) -> None:
                         replays=0,
                         rounds=opts.rounds,
                         warmup=opts.warmup,
+                        after_warmup=lambda: bench_db.analyze(db.conninfo),
                     ),
                 )
         finally:
@@ -423,7 +425,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if opts.breakdown_ops:
             with bench_db.fresh_database(server, "payorch_bench_breakdown") as db:
                 say(f"CPU per phase: {opts.breakdown_ops} operations one at a time, sync, async")
-                breakdown = bench_breakdown.measure(db.url, ops=opts.breakdown_ops)
+                breakdown = bench_breakdown.measure(
+                    db.url,
+                    ops=opts.breakdown_ops,
+                    after_warmup=lambda: bench_db.analyze(db.conninfo),
+                )
                 report.extra["breakdown"] = bench_breakdown.summary(breakdown)
         if opts.async_http:
             with bench_db.fresh_database(server, "payorch_bench_async") as db:

@@ -198,8 +198,9 @@ class Prepared:
     payload: Mapping[str, Any]  # full validated request (sensitive fields included)
     effect: Mapping[str, Any]
     type: OperationType
-    # What the stored copy hides (payorch.records); empty when the request holds no secret.
-    redactor: Redactor = field(default_factory=Redactor)
+    # Set (empty) only when the stored copy hides nothing and says "[redacted]" nowhere: the
+    # executor may then skip deriving the redactor from it. None: derive it, as ever.
+    redactor: Redactor | None = None
 
 
 @dataclass
@@ -290,7 +291,16 @@ class Registry:
             retention=op_type.retention,
             key_scope=key_scope,
         )
-        return Prepared(new=new, payload=data, effect=effect, type=op_type, redactor=redactor)
+        # A caller's own "[redacted]" text makes its key sensitive for Redactor.of (as every
+        # later read of the stored copy treats it): then the redactor is derived as ever.
+        nothing_hidden = not redactor and Redactor.redacted_at(stored) is None
+        return Prepared(
+            new=new,
+            payload=data,
+            effect=effect,
+            type=op_type,
+            redactor=redactor if nothing_hidden else None,
+        )
 
 
 def _json_form(model: BaseModel, op_type: OperationType) -> dict[str, Any]:

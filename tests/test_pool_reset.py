@@ -24,9 +24,10 @@ def _driver(fairy: Any) -> Any:
 
 def _left_open(engine: Engine, how: str) -> None:
     """Check a connection out, leave it ``how`` (an open write, a failed statement), return
-    it; then the pool's next checkout must be idle and the write gone."""
+    it; then the pool's next checkout must be idle and the write gone. The pool holds one
+    connection, so the temporary table is the same session's throughout."""
     with engine.begin() as conn:
-        conn.exec_driver_sql("CREATE TABLE IF NOT EXISTS pool_reset (n int)")
+        conn.exec_driver_sql("CREATE TEMP TABLE IF NOT EXISTS pool_reset (n int)")
     fairy = engine.raw_connection()
     fairy.dbapi_connection.autocommit = False  # type: ignore[union-attr]
     cursor = fairy.dbapi_connection.cursor()  # type: ignore[union-attr]

@@ -272,9 +272,9 @@ class Executor:
                 retry=self.retry,
                 sleep=self._sleep,
                 rand=self._rand,
-                # No secret in the request: nothing for the stored copy to say (the walk of
-                # Redactor.of skipped); with one, it is derived from the stored copy as ever.
-                redactor=prepared.redactor if not prepared.redactor else None,
+                # Nothing hidden in the stored copy: nothing for Redactor.of to find there
+                # (its walk skipped); otherwise (None) it is derived as ever.
+                redactor=prepared.redactor,
             )
         except OutcomeNotRecorded as exc:
             exc.operation_id = exc.operation_id or op_id

@@ -8,7 +8,6 @@ import shutil
 import sqlite3
 import subprocess
 from datetime import timedelta
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -21,7 +20,7 @@ from payorch import WebhookHandler, WebhookStatus
 from payorch.core import State
 from payorch.errors import ConfigurationError
 from payorch.execution._executor import Executor
-from payorch.operations import REDACTED, OperationType, Prepared, Registry, default_registry
+from payorch.operations import REDACTED, OperationType, Registry, default_registry
 from payorch.provider import Answer, AnswerKind
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
@@ -590,50 +589,3 @@ def test_the_effect_fields_are_stored_as_sent_even_if_a_sensitive_value_equals_o
     stored = prepared.new.request
     assert stored is not None and stored["amount"] == 2030 and stored["currency"] == "EUR"
     assert Redactor.redacted_at({k: v for k, v in stored.items() if k != "card"}) is None
-
-
-def test_a_prepared_request_without_a_redactor_is_redacted_as_ever(
-    store: Store, sandbox_provider: SandboxProvider
-) -> None:
-    """A registry that builds its ``Prepared`` itself (no ``redactor``, as before there was
-    one): what the provider echoes is still hidden, the redactor derived from the stored
-    copy."""
-
-    class OwnRegistry(Registry):
-        def prepare(self, **kwargs: Any) -> Prepared:
-            made = super().prepare(**kwargs)
-            return Prepared(new=made.new, payload=made.payload, effect=made.effect, type=made.type)
-
-    own = OwnRegistry()
-    own.register(CARD_CHARGE)
-    executor = Executor(
-        store=store, providers=[sandbox_provider], registry=own, lease=timedelta(seconds=30)
-    )
-    outcome = executor.execute(
-        tenant_id="shop", operation="card.charge", idempotency_key="own-1", request=charge("own-1")
-    )
-    assert outcome.state is State.SUCCEEDED
-    text = dump(store)
-    for secret in SECRETS:
-        assert secret not in text, f"{secret!r} found in the database"
-    assert "own-1" in text and REDACTED in text
-
-
-def test_the_executor_derives_the_redactor_unless_nothing_is_hidden() -> None:
-    reg = default_registry("sandbox")
-    reg.register(CARD_CHARGE)
-    plain = {"amount": 500, "currency": "EUR", "customer": "cus_1"}
-    made = reg.prepare(
-        tenant_id="t", operation="payment.create", idempotency_key="k1", request=plain
-    )
-    assert made.redactor == Redactor()
-    # The caller's own "[redacted]" text, or a request with secrets: derived as ever (None).
-    quoted = {**plain, "metadata": {"note": "[redacted]"}}
-    made = reg.prepare(
-        tenant_id="t", operation="payment.create", idempotency_key="k2", request=quoted
-    )
-    assert made.redactor is None
-    made = reg.prepare(
-        tenant_id="t", operation="card.charge", idempotency_key="k3", request=charge("k3")
-    )
-    assert made.redactor is None

@@ -68,6 +68,18 @@ class Breakdown:
         if self._since:
             self._since[-1] = now
 
+    @contextmanager
+    def operation(self) -> Iterator[None]:
+        """One measured operation: its CPU outside the phases is "rest"."""
+        began = time.thread_time()
+        self.enter("rest")
+        try:
+            yield
+        finally:
+            self.leave()
+            self.total += time.thread_time() - began
+            self.ops += 1
+
     def driver_phase(self) -> str | None:
         """The driver part of the phase running now (claim or record), if any."""
         current = self._stack[-1] if self._stack else None
@@ -137,12 +149,8 @@ def _sync(url: str, ops: int, warmup: int, tag: str, settle: Callable[[], None])
         breakdown = Breakdown()
         with _patched(breakdown):
             for i in range(ops):
-                began = time.thread_time()
-                breakdown.enter("rest")
-                one(f"{tag}-{i}")
-                breakdown.leave()
-                breakdown.total += time.thread_time() - began
-                breakdown.ops += 1
+                with breakdown.operation():
+                    one(f"{tag}-{i}")
         return breakdown
     finally:
         store.close()
@@ -174,12 +182,8 @@ def _async(url: str, ops: int, warmup: int, tag: str, settle: Callable[[], None]
             breakdown = Breakdown()
             with _patched(breakdown):
                 for i in range(ops):
-                    began = time.thread_time()
-                    breakdown.enter("rest")
-                    await one(f"{tag}-a{i}")
-                    breakdown.leave()
-                    breakdown.total += time.thread_time() - began
-                    breakdown.ops += 1
+                    with breakdown.operation():
+                        await one(f"{tag}-a{i}")
             return breakdown
         finally:
             await store.close()

@@ -6,7 +6,9 @@ void again (its key is a pure function of the operation's), and evidence of a su
 arrives meanwhile is recorded and flagged instead of settling the operation. The void's own
 answer is evidence like any other: void now (or nothing was ever made under the key) ends
 ``failed_final`` with code ``voided``; a void the provider took ends the same way once its
-notification arrives; a refused one leaves the operation unknown and flagged.
+notification arrives, as does any release of the authorisation while a void is wanted
+(Stripe's cancel of the authorised intent, whoever sent it: :data:`RELEASED`); a refused one
+leaves the operation unknown and flagged.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ..storage._store import Store
 from ._policy import ReconcilerPolicy
 
 __all__ = [
+    "RELEASED",
     "VOIDED",
     "VOID_NOTHING_FOUND",
     "VOID_REFUSED",
@@ -63,6 +66,10 @@ VOIDED = "voided"  # error_code of a voided operation
 VOID_REFUSED = "void_refused"
 VOID_NOTHING_FOUND = "void_nothing_found"
 VOID_WANTED = frozenset({VOID_REQUESTED, VOID_REFUSED, VOID_NOTHING_FOUND})
+# The lifecycles an adapter's event gives an authorisation no longer held: a void's own
+# confirmation (the sandbox's, Adyen's CANCELLATION) and Stripe's cancel of an authorised
+# intent (providers/stripe/_classify.py). While a void is wanted, either is the void's outcome.
+RELEASED = frozenset({VOIDED, "authorization_released"})
 _MAX_RACES = 3
 
 

@@ -39,7 +39,14 @@ from ..records import OperationRecord, Redactor
 from ..storage._engine import read_in_transaction, run_in_transaction
 from ..storage._store import Store
 from ..storage._tables import db_now, operations, webhook_inbox
-from ._voids import VOID_REFUSED, VOID_REQUESTED, VOID_RESOLUTION
+from ._voids import (
+    RELEASED,
+    VOID_REFUSED,
+    VOID_REQUESTED,
+    VOID_RESOLUTION,
+    VOID_WANTED,
+    VOIDED,
+)
 
 __all__ = ["WebhookHandler"]
 
@@ -305,6 +312,14 @@ class WebhookHandler:
             # What became of the effect afterwards (e.g. a released authorisation).
             detail["lifecycle"] = event.lifecycle
         voiding = record.resolution == VOID_REQUESTED and not record.terminal
+        # The hold released while a void of it was wanted (its confirmation, or a cancel that
+        # raced it): the void's outcome, as a confirmed void settles it, never a success.
+        released = (
+            record.resolution in VOID_WANTED
+            and not record.terminal
+            and event.lifecycle in RELEASED
+            and event.outcome in _TARGET
+        )
         if event.operation is not None and event.operation != record.operation:
             # An event about another kind of operation found by this one's reference (a
             # refund made in the provider's dashboard, say): evidence, never its outcome.
@@ -313,13 +328,16 @@ class WebhookHandler:
         if event.lifecycle == VOID_REFUSED:
             return self._void_refused(inbox, record, detail, voiding=voiding)
         assert event.outcome is not None
-        target = _TARGET.get(event.outcome)
+        outcome, code = (AnswerKind.DECLINED, VOIDED) if released else (event.outcome, event.code)
+        if released:
+            detail["decision"] = "the authorisation was released while its void was wanted"
+        target = _TARGET.get(outcome)
         if voiding and event.outcome is AnswerKind.SUCCEEDED and event.lifecycle is None:
             # A success while our void is in flight: the void's own evidence decides, and a
             # human must see that the two raced.
             detail["void_race"] = "a success arrived while the operation's void was in flight"
             return self._flag(inbox, record, detail, kind="void_race")
-        if contradicts(record.state, event.outcome) and event.lifecycle is None:
+        if contradicts(record.state, outcome) and event.lifecycle is None:
             # A second, different final word: keep both, change nothing, call a human.
             detail["conflicts_with"] = record.state.value
             return self._flag(inbox, record, detail, kind="conflicting_evidence")
@@ -328,8 +346,8 @@ class WebhookHandler:
             return self._evidence(inbox, record, detail)
         ref = event.provider_reference or record.provider_reference
         # The adapter's code, as its status query would store it for the same decline.
-        code = (event.code or "")[:_MAX_CODE] or _CODE[target]
-        decision = settled(Answer(kind=event.outcome, provider_reference=ref, code=code))
+        code = (code or "")[:_MAX_CODE] or _CODE[target]
+        decision = settled(Answer(kind=outcome, provider_reference=ref, code=code))
         assert decision is not None  # target is terminal, so the evidence is final
         updated = self.store.transition(
             record,
@@ -341,7 +359,7 @@ class WebhookHandler:
             response=decision.response,
             error_code=decision.error_code,
             # A void's notification settles what the void began; a race it lost stays flagged.
-            resolution=VOID_RESOLUTION if voiding and event.lifecycle else "webhook",
+            resolution=VOID_RESOLUTION if released else "webhook",
             needs_attention=record.needs_attention if voiding else False,  # settled by evidence
             also=inbox.claim(WebhookStatus.APPLIED),
         )

@@ -7,11 +7,13 @@ standard library computes, compared in constant time, so the adapter does not ne
 
 Events are mapped to the operation they concern: by ``request.idempotency_key`` when one of
 our downstream keys caused the event (a capture's ``payment_intent.succeeded`` concerns the
-capture), else by the provider reference (or, for objects made before keys came from the
+capture; the cancel a void sent, under the void's key, concerns the ``payment.create`` it
+voids), else by the provider reference (or, for objects made before keys came from the
 namespace, the ``payorch_operation_id`` metadata). Their outcome is read with
 the functions the status query uses (:mod:`._classify`), so both paths agree: a decline carries
 the same code, and a ``payment_intent.canceled`` that releases a manual-capture authorisation
-is what became of a successful ``payment.create`` (lifecycle evidence), not its decline.
+is what became of a successful ``payment.create`` (lifecycle evidence), not its decline;
+while a void of that operation is wanted, the webhook handler reads it as the void's outcome.
 """
 
 from __future__ import annotations
@@ -115,6 +117,15 @@ def _idempotency_key(request: object) -> str | None:
     return _text(request.get("idempotency_key")) if isinstance(request, dict) else None
 
 
+def _voided_key(key: str) -> str:
+    """The key of the operation that a void key (``payorch:<ref>:void``,
+    ``VoidRequest.void_key``) voids, so the cancel our void caused finds that operation even
+    before its reference is stored; any other key as it is."""
+    if is_namespace_key(key) and key.endswith(":void"):
+        return namespace_downstream_key(key.split(":")[1])
+    return key
+
+
 def _outcome(
     event_type: str, obj: Mapping[str, Any]
 ) -> tuple[AnswerKind | None, str | None, str | None]:
@@ -171,6 +182,8 @@ def parse_stripe_webhook(
     ref = _text(metadata.get(TAG_REF)) if isinstance(metadata, dict) else None
     if not ours and ref is not None and _REF.fullmatch(ref):
         downstream_key = namespace_downstream_key(ref)
+    elif ours and downstream_key is not None:
+        downstream_key = _voided_key(downstream_key)
     operation_id = operation_id_from_downstream_key(downstream_key) if downstream_key else None
     if operation_id is None and isinstance(metadata, dict):
         operation_id = _text(metadata.get(TAG_LEGACY_OPERATION_ID))

@@ -2,14 +2,16 @@
 
 A namespace no row holds: one transaction, ``INSERT … ON CONFLICT (tenant_id, operation,
 idempotency_key) DO NOTHING RETURNING`` of the operation, already in the state its evidence
-proves, and its ``adopted`` event. The unique constraint decides a race with the client's
-own retry, as it decides between two claims: whichever commits first holds the namespace,
-the other inserts nothing.
+proves, its ``adopted`` event and, when that state is terminal, the messages the store's
+outbox hooks stage for it. The unique constraint decides a race with the client's own retry,
+as it decides between two claims: whichever commits first holds the namespace, the other
+inserts nothing.
 
 A namespace a *released* row holds (the client's retry re-created the lost claim and sent
 nothing: :attr:`~payorch.records.OperationRecord.released`): one version-fenced
-``Store.transition`` of that row to the state the evidence proves. A retry that takes the
-row over first moves its version, and the adoption loses with ``StaleVersion``.
+``Store.transition`` of that row to the state the evidence proves, which stages the hooks'
+messages as every settling transition does. A retry that takes the row over first moves its
+version, and the adoption loses with ``StaleVersion``.
 
 The decisions (what is adoptable, in which state) are :mod:`payorch.reconciling._unexplained`'s.
 """
@@ -27,6 +29,7 @@ from sqlalchemy.engine import Connection
 from ..outcome import Decision
 from ..records import NewOperation, OperationRecord
 from ..storage._engine import run_in_transaction
+from ..storage._outbox import stage_settled, staging
 from ..storage._statements import add_event, new_id
 from ..storage._store import Store
 from ..storage._tables import db_now, db_now_plus, operations
@@ -47,7 +50,8 @@ def insert_adopted(
     detail: Mapping[str, Any],
 ) -> OperationRecord | None:
     """Create ``new``'s operation in ``decision``'s state, flagged for attention, with its
-    ``adopted`` event; None when the namespace is already held (nothing written).
+    ``adopted`` event and what the store's outbox hooks stage for that outcome; None when the
+    namespace is already held (nothing written).
 
     A terminal operation is complete at once (its retention starts now); an
     ``outcome_unknown`` one is due for the reconciler's first check now.
@@ -88,6 +92,9 @@ def insert_adopted(
             db_now_plus(sa.literal(int(new.retention.total_seconds()))) if terminal else None
         ),
     }
+    # The outbox hooks run whoever settles the operation (docs/outbox.md), as a transition
+    # stages them; a released row adopted goes through Store.transition, which does so.
+    hooks = staging(store.outbox_hooks, new.operation, state)
     insert = postgresql.insert if store.is_postgres else sqlite.insert
     stmt = (
         insert(operations)
@@ -110,6 +117,8 @@ def insert_adopted(
             to_state=state,
             detail=detail,
         )
+        if hooks is not None:  # money moved: its messages commit with the outcome, or neither
+            stage_settled(conn, hooks, record)
         return record
 
     return run_in_transaction(store.engine, txn)

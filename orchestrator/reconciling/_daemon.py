@@ -91,6 +91,9 @@ class ReconcilerDaemon:
         self._on_report = on_report
         self._monitor_address = monitor
         self.unexplained = unexplained  # the opt-in look for effects no operation explains
+        if unexplained is not None and unexplained.tenant_ids is None:
+            # A sharded reconciler's look judges and adopts only its own tenants' effects.
+            unexplained.tenant_ids = reconciler.tenant_ids
         self.relay, self.relay_interval = relay, relay_interval  # the outbox, if configured
         self.monitor: MonitorServer | None = None
         self.started_at = time.monotonic()

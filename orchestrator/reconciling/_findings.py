@@ -81,6 +81,8 @@ class ScanReport:
     # Effects without payorch's tags, and those under another installation's key scope
     # (also in ``skipped``, with the reason): not judged.
     not_ours: int = 0
+    # Effects of tenants outside the look's ``tenant_ids`` (another shard's): not judged.
+    other_tenants: int = 0
     findings: list[Finding] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
 
@@ -91,6 +93,7 @@ class ScanReport:
             "listed": self.listed,
             "not_ours": self.not_ours,
             "other_scope": len(self.skipped),
+            "other_tenants": self.other_tenants,
             **{v.value: found.get(v.value, 0) for v in Verdict},
             "not_adoptable": refused,
         }

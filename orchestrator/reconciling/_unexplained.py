@@ -16,13 +16,16 @@ installation sharing the account: it is *not ours*, skipped with the reason.
 
 An effect is *explained* when an operation of its tenant has its namespace, its downstream
 key or its provider reference (an effect tagged before keys came from the namespace: its
-operation id), unless that operation is *released*: it says nothing was ever sent under it
-(a client's retry re-created the lost claim and the provider could not be reached), which
-the effect contradicts. *Adopting* an unexplained one gives the namespace the operation its
-lost claim would have become: the same namespace and fingerprint, the downstream key
-re-derived from the namespace (the key the provider saw), in the state the effect proves
-(succeeded, failed_final for a decline, outcome_unknown while pending), flagged for
-attention, with an ``adopted`` event holding the provider's object. A namespace no row
+operation id), and is of the type the effect stands for (its ``payorch_operation`` tag; for
+the earlier tags, the operation they name): a capture or refund holding the same ``pi_…``
+explains nothing of the intent's creation. Unless that operation is *released*: it says
+nothing was ever sent under it (a client's retry re-created the lost claim and the provider
+could not be reached), which the effect contradicts. *Adopting* an unexplained one gives the
+namespace the operation its lost claim would have become: the same namespace and
+fingerprint, the downstream key re-derived from the namespace (the key the provider saw), in
+the state the effect proves (succeeded, failed_final for a decline, outcome_unknown while
+pending), flagged for attention, with an ``adopted`` event holding the provider's object
+and, settled, the messages the store's outbox hooks stage for it. A namespace no row
 holds gets a new row; a released row is moved there by a fenced transition. The client's
 retry with the same key and fields then replays that outcome instead of charging again;
 other fields get ``IdempotencyKeyReused``. An effect without a fingerprint tag cannot be
@@ -32,21 +35,12 @@ adopted: a retry could not be told from another request under the key.
 from __future__ import annotations
 
 import logging
-import os
-import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from ..core import (
-    canonical_idempotency_key,
-    downstream_key,
-    namespace_ref,
-    validate_key_scope,
-    validate_operation_name,
-    validate_tenant,
-)
+from ..core import downstream_key
 from ..errors import (
     CorruptRecord,
     InvalidRequest,
@@ -65,13 +59,20 @@ from ..provider import (
     TAG_REF,
     TAG_TENANT,
     Answer,
-    AnswerKind,
     EffectLister,
     ProviderEffect,
 )
 from ..records import NewOperation, OperationRecord
 from ..storage._store import Store
 from ._adoption import ADOPTED_EVENT, ADOPTED_RESOLUTION, adopt_released, insert_adopted
+from ._effect_tags import (
+    adoption_refusal,
+    foreign_tags,
+    installation_scope,
+    malformed_tags,
+    not_ours,
+    storable,
+)
 from ._findings import Finding, ScanReport, Skipped, Verdict
 from ._operator import required_text
 
@@ -92,11 +93,6 @@ __all__ = [
 
 MAX_ACTOR = 200  # payorch_events.actor
 MAX_REASON = 2000
-_FINGERPRINT = re.compile(r"[0-9a-f]{64}")
-_REF = re.compile(r"[0-9a-f]{32}")  # namespace_ref's form
-_OPERATION_ID = re.compile(r"[\x21-\x7e]{1,36}")  # what payorch_operations.id can hold
-_STORABLE = 255  # the longest downstream key or provider reference a row can hold
-_ADOPTABLE = frozenset({AnswerKind.SUCCEEDED, AnswerKind.DECLINED, AnswerKind.PENDING})
 _ADOPT_ATTEMPTS = 3  # a namespace that keeps changing under an adoption: then look again
 NOTHING_SENT = "its operation says nothing was sent"
 
@@ -112,79 +108,6 @@ def lister_of(provider: object) -> EffectLister:
             "so effects no operation explains cannot be looked for there"
         )
     return provider
-
-
-def installation_scope(key_scope: str | None = None) -> str:
-    """This installation's key scope: ``key_scope``, or for None the environment's
-    ``PAYORCH_KEY_SCOPE``, as the :class:`~payorch.Executor` reads it (only that
-    variable); ``ConfigurationError`` for a scope that is not one."""
-    return validate_key_scope(
-        os.environ.get("PAYORCH_KEY_SCOPE", "") if key_scope is None else key_scope
-    )
-
-
-# -- reading the tags ----------------------------------------------------------------------
-
-
-def _malformed(tags: Mapping[str, str]) -> str | None:
-    """Why these tags are not what payorch sends (they name no namespace any request of
-    payorch's could have), or None. Checked before anything is looked up by them: the
-    store's reads take only values its own validation accepts."""
-    try:
-        validate_tenant(tags.get(TAG_TENANT))
-        if TAG_OPERATION in tags:
-            validate_operation_name(tags[TAG_OPERATION])
-        if TAG_KEY in tags:
-            canonical_idempotency_key(tags[TAG_KEY])
-    except InvalidRequest as exc:
-        return f"its tags are malformed: {exc.message}"
-    if TAG_REF in tags and not _REF.fullmatch(tags[TAG_REF]):
-        return f"its tags are malformed: {TAG_REF} is not 32 hex digits"
-    legacy = tags.get(TAG_LEGACY_OPERATION_ID)
-    if legacy is not None and not _OPERATION_ID.fullmatch(legacy):
-        return f"its tags are malformed: {TAG_LEGACY_OPERATION_ID} is no operation id"
-    return None
-
-
-def _foreign(tags: Mapping[str, str], scope: str) -> str | None:
-    """Why well-formed tags naming a whole namespace are another installation's: their ref
-    is not the namespace's under ``scope``. None when it is (or there is no ref to tell)."""
-    ref, operation, key = tags.get(TAG_REF), tags.get(TAG_OPERATION), tags.get(TAG_KEY)
-    if ref is None or operation is None or key is None:
-        return None
-    tenant = tags[TAG_TENANT]
-    if ref == namespace_ref(tenant, operation, key, scope):
-        return None
-    here = f"key scope {scope!r}" if scope else "no key scope (PAYORCH_KEY_SCOPE unset)"
-    if scope and ref == namespace_ref(tenant, operation, key):
-        made = "made under no key scope"
-    else:
-        made = "made under another key scope"
-    return (
-        f"its {TAG_REF} is not its namespace's under this installation's {here}: {made}, "
-        "by another installation sharing the provider account"
-    )
-
-
-def not_ours(effect: ProviderEffect, *, key_scope: str | None = None) -> str | None:
-    """Why ``effect`` is not this installation's to judge (no payorch tags, or tags made
-    under another key scope), or None if it is. Malformed tags are ours to report."""
-    if not effect.ours:
-        return "it carries no payorch tags"
-    if _malformed(effect.tags) is not None:
-        return None
-    return _foreign(effect.tags, installation_scope(key_scope))
-
-
-def _storable(text: str) -> bool:
-    """Whether a row can hold ``text`` (a provider's own reference or key) and be found."""
-    if len(text) > _STORABLE or "\x00" in text:
-        return False
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 # -- explaining ----------------------------------------------------------------------------
@@ -204,14 +127,12 @@ def _lookups(
         except OperationNotFound:
             yield "namespace", None
     seen = (
-        effect.downstream_key
-        if effect.downstream_key and _storable(effect.downstream_key)
-        else None
+        effect.downstream_key if effect.downstream_key and storable(effect.downstream_key) else None
     )
     sent = seen or (downstream_key(tags[TAG_REF]) if TAG_REF in tags else None)
     if sent is not None:
         yield "downstream_key", store.find_by_downstream_key(tenant, provider, sent)
-    if _storable(effect.provider_reference):
+    if storable(effect.provider_reference):
         yield "reference", store.find_by_reference(tenant, provider, effect.provider_reference)
     legacy = tags.get(TAG_LEGACY_OPERATION_ID)
     if legacy is not None:
@@ -219,6 +140,18 @@ def _lookups(
             yield "operation_id", store.get(tenant, legacy)
         except OperationNotFound:
             yield "operation_id", None
+
+
+def _stands_for(record: OperationRecord, effect: ProviderEffect) -> bool:
+    """Whether ``record`` is the operation ``effect`` stands for: of the type its tags name
+    (an intent's creation is explained by a ``payment.create``, never by the capture or
+    refund that holds the same ``pi_…`` as its reference), or, for tags of the earlier form,
+    the very operation they name."""
+    operation = effect.tags.get(TAG_OPERATION)
+    if operation is not None:
+        return record.operation == operation
+    legacy = effect.tags.get(TAG_LEGACY_OPERATION_ID)
+    return legacy is None or record.id == legacy
 
 
 def _says_nothing_sent(record: OperationRecord, effect: ProviderEffect) -> bool:
@@ -236,19 +169,19 @@ def explain(
     scope = installation_scope(key_scope)
     if not effect.ours:
         raise InvalidRequest(f"effect {effect.provider_reference} carries no payorch tags")
-    malformed = _malformed(effect.tags)
+    malformed = malformed_tags(effect.tags)
     if malformed is not None:
         return Finding(
             provider=provider, effect=effect, verdict=Verdict.UNEXPLAINED, refusal=malformed
         )
-    foreign = _foreign(effect.tags, scope)
+    foreign = foreign_tags(effect.tags, scope)
     if foreign is not None:
         raise InvalidRequest(f"effect {effect.provider_reference} is not ours: {foreign}")
     released: OperationRecord | None = None
     try:
         for how, found in _lookups(store, provider, effect):
-            if found is None:
-                continue
+            if found is None or not _stands_for(found, effect):
+                continue  # another operation on the same object explains nothing of this one
             if _says_nothing_sent(found, effect):
                 released = released or found
                 continue
@@ -283,46 +216,6 @@ def explain(
         refusal=refusal,
         nothing_sent=True,
     )
-
-
-def adoption_refusal(effect: ProviderEffect, *, key_scope: str | None = None) -> str | None:
-    """Why ``effect`` cannot be adopted as its namespace's operation under ``key_scope``
-    (None: the environment's); None if it can (no store read)."""
-    reason = _malformed(effect.tags) or _tags_refusal(effect.tags, installation_scope(key_scope))
-    if reason is not None:
-        return reason
-    expected = downstream_key(effect.tags[TAG_REF])
-    if effect.downstream_key is not None and effect.downstream_key != expected:
-        return f"the provider saw key {effect.downstream_key!r}, not the namespace's {expected!r}"
-    if not _storable(effect.provider_reference):
-        return "its provider reference cannot be stored (too long, or not text)"
-    if effect.kind not in _ADOPTABLE:
-        return f"its status could not be read as an outcome ({effect.kind.value})"
-    return None
-
-
-def _tags_refusal(tags: Mapping[str, str], scope: str) -> str | None:
-    """Why well-formed tags do not name one namespace and its fingerprint; None if they do."""
-    if TAG_REF not in tags:
-        return (
-            "tagged before keys came from the namespace: its idempotency key and fingerprint "
-            "are unknown; settle it by hand"
-        )
-    missing = [t for t in (TAG_OPERATION, TAG_KEY, TAG_FINGERPRINT) if t not in tags]
-    if missing:
-        return (
-            f"its tags lack {', '.join(missing)} (sent before fingerprints were): a retry "
-            "could not be matched to the fields it was made with; settle it by hand"
-        )
-    if not _FINGERPRINT.fullmatch(tags[TAG_FINGERPRINT]):
-        return f"its {TAG_FINGERPRINT} is not a SHA-256 hex digest"
-    ref = namespace_ref(tags[TAG_TENANT], tags[TAG_OPERATION], tags[TAG_KEY], scope)
-    if tags[TAG_REF] != ref:
-        return f"its {TAG_REF} is not its namespace's ({ref}) under this installation's scope"
-    if canonical_idempotency_key(tags[TAG_KEY]) != tags[TAG_KEY]:
-        # Its downstream key comes from the quoted form; rows hold keys bare (0003).
-        return "its key is in quoted form (sent before keys were stored bare); settle it by hand"
-    return None
 
 
 def _held_refusal(held: OperationRecord, new: NewOperation) -> str | None:
@@ -518,11 +411,15 @@ def scan(
     reason: str | None = None,
     registry: Registry | None = None,
     key_scope: str | None = None,
+    tenant_ids: Collection[str] | None = None,
 ) -> ScanReport:
     """List ``provider``'s effects created in ``[since, until]`` and judge each of payorch's;
     with ``adopt_found``, adopt every adoptable unexplained one (``actor`` and ``reason``
     are then required). ``key_scope`` is the installation's (None: the environment's, as
     the Executor's): effects made under another are skipped (``ScanReport.skipped``).
+    ``tenant_ids`` (a reconciler's shard, as ``Reconciler(tenant_ids=…)``): only effects
+    tagged with one of these tenants are judged; the others are counted
+    (``ScanReport.other_tenants``), never judged nor adopted. None: every tenant.
 
     Each effect is judged on its own: one that cannot be (its tags refused by a read) is a
     finding with the reason, and the scan goes on. ``ListingUnsupported`` for an adapter
@@ -538,6 +435,9 @@ def scan(
         report.listed += 1
         if not effect.ours:
             report.not_ours += 1
+            continue
+        if tenant_ids is not None and effect.tags.get(TAG_TENANT) not in tenant_ids:
+            report.other_tenants += 1  # another shard's: its own reconciler's look judges it
             continue
         skip = not_ours(effect, key_scope=scope)
         if skip is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -23,7 +23,7 @@ class UnexplainedWatch:
     """The reconciler daemon's scheduled look (``PAYORCH_UNEXPLAINED_EVERY_SECONDS``): each
     run lists the trailing ``window`` of every provider given, adopting when ``adopt``,
     under ``key_scope`` (None: the environment's ``PAYORCH_KEY_SCOPE``, read once here, so a
-    bad one refuses start-up)."""
+    bad one refuses start-up), judging only the effects of ``tenant_ids`` when given."""
 
     store: Store
     providers: Sequence[EffectLister]
@@ -34,9 +34,14 @@ class UnexplainedWatch:
     reason: str = "adopted by the reconciler daemon's scheduled look (PAYORCH_UNEXPLAINED_ADOPT)"
     registry: Registry | None = None
     key_scope: str | None = None
+    # The tenants whose effects it judges and adopts (a sharded reconciler's tenant_ids; the
+    # daemon passes its reconciler's); None: every tenant.
+    tenant_ids: Collection[str] | None = None
 
     def __post_init__(self) -> None:
         self.key_scope = installation_scope(self.key_scope)
+        if self.tenant_ids is not None:
+            self.tenant_ids = frozenset(self.tenant_ids)
 
     def run(self) -> list[ScanReport]:
         """One look at each provider; a provider that fails is logged and skipped."""
@@ -54,6 +59,7 @@ class UnexplainedWatch:
                     reason=self.reason,
                     registry=self.registry,
                     key_scope=self.key_scope,
+                    tenant_ids=self.tenant_ids,
                 )
             except PayorchError as exc:  # the provider or the database is away: next run
                 logs.emit(

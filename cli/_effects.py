@@ -22,7 +22,6 @@ from ._runtime import (
     open_store,
     out,
     parse_duration,
-    settings,
 )
 
 if TYPE_CHECKING:
@@ -185,15 +184,17 @@ def unexplained_cmd(
         raise typer.BadParameter("--since must not be later than --until", param_hint="--since")
     if adopt and (actor is None or reason is None):
         raise typer.BadParameter("--adopt needs --actor and --reason", param_hint="--adopt")
-    config = settings()
     # The installation's key scope, as its Executors read it: refs and keys derive from it.
     key_scope = unexplained.installation_scope()
-    providers = build_providers(config)
+    providers = build_providers()
     try:
         chosen = next((p for p in providers if p.name == provider), None)
         if chosen is None:
             names = ", ".join(p.name for p in providers)
-            raise UnknownProvider(f"no provider named {provider!r} is configured (have: {names})")
+            raise UnknownProvider(
+                f"no provider named {provider!r} is configured (have: {names}); run the "
+                "tools with the app's adapters: PAYORCH_PROVIDERS=module:attribute"
+            )
         lister = unexplained.lister_of(chosen)  # before the database: a clear refusal first
         with open_store(database_url) as store:
             report = unexplained.scan(store, lister, since=since, until=end, key_scope=key_scope)

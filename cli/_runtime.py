@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import getpass
 import io
+import logging
 import re
 import sys
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from ..outbox import Relay
     from ..provider import Provider
     from ..reconciling._reconciler import Reconciler
-    from ..settings import Settings
+    from ..settings import ProviderSettings, Settings
     from ..storage._store import Store
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "open_store",
     "out",
     "parse_duration",
+    "provider_settings",
     "reconciler",
     "relay",
     "settings",
@@ -250,8 +252,26 @@ def default_actor() -> str:
         return "operator"
 
 
-def build_providers(config: Settings) -> list[Provider]:
-    """The sandbox adapter always; Stripe and Adyen when their API keys are configured."""
+def provider_settings() -> ProviderSettings:
+    """The provider settings, read only by the commands that call a provider."""
+    import pydantic
+
+    from ..settings import ProviderSettings
+
+    try:
+        return ProviderSettings()
+    except pydantic.ValidationError as exc:
+        raise ConfigurationError(settings_error(exc)) from None
+
+
+def build_providers(config: ProviderSettings | None = None) -> list[Provider]:
+    """The adapters the tools run: the application's own (``PAYORCH_PROVIDERS``), else the
+    sandbox always, and Stripe and Adyen when their API keys are configured."""
+    config = config or provider_settings()
+    if config.providers:
+        from ..adapters import load_providers
+
+        return load_providers(config.providers, "PAYORCH_PROVIDERS")
     from ..providers.sandbox import SandboxProvider
 
     providers: list[Provider] = [
@@ -270,25 +290,39 @@ def build_providers(config: Settings) -> list[Provider]:
             )
         )
     if config.adyen_api_key:
-        from ..providers.adyen import AdyenProvider
-
-        needed = {
-            "PAYORCH_ADYEN_MERCHANT_ACCOUNT": config.adyen_merchant_account,
-            "PAYORCH_ADYEN_HMAC_KEY": config.adyen_hmac_key,
-            "PAYORCH_ADYEN_BASE_URL": config.adyen_base_url,
-        }
-        missing = [name for name, value in needed.items() if not value]
-        if missing:
-            raise ConfigurationError(f"Adyen needs {' and '.join(missing)} too")
-        providers.append(
-            AdyenProvider(
-                api_key=config.adyen_api_key,
-                merchant_account=str(config.adyen_merchant_account),
-                hmac_key=config.adyen_hmac_key,
-                base_url=str(config.adyen_base_url),
-            )
-        )
+        providers.append(_adyen(config))
     return providers
+
+
+def _adyen(config: ProviderSettings) -> Provider:
+    from ..providers.adyen import AdyenProvider
+    from ..providers.adyen._notifications import decode_hmac_key
+
+    needed = {
+        "PAYORCH_ADYEN_MERCHANT_ACCOUNT": config.adyen_merchant_account,
+        "PAYORCH_ADYEN_BASE_URL": config.adyen_base_url,
+    }
+    missing = [name for name, value in needed.items() if not value]
+    if missing:
+        raise ConfigurationError(f"Adyen needs {' and '.join(missing)} too")
+    hmac_key = config.adyen_hmac_key
+    if hmac_key is not None:
+        try:
+            decode_hmac_key(hmac_key)
+        except ConfigurationError:
+            # The tools never verify a notification (the app's webhook route does), so a
+            # key they cannot use is no reason to stop them; said once, where it is read.
+            logging.getLogger("payorch.cli").warning(
+                "PAYORCH_ADYEN_HMAC_KEY is not the hex HMAC key (e.g. 44782D…): ignored here, "
+                "where no notification is verified; the webhook route needs the right one"
+            )
+            hmac_key = None
+    return AdyenProvider(
+        api_key=config.adyen_api_key or "",
+        merchant_account=str(config.adyen_merchant_account),
+        hmac_key=hmac_key,
+        base_url=str(config.adyen_base_url),
+    )
 
 
 @contextmanager
@@ -315,7 +349,7 @@ def reconciler(
             timedelta(seconds=config.void_after_seconds) if config.void_after_seconds else None
         ),
     )
-    providers = build_providers(config)
+    providers = build_providers()
     try:
         yield Reconciler(store=store, providers=providers, policy=policy, owner=owner)
     finally:

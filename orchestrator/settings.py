@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings"]
+__all__ = ["ProviderSettings", "Settings"]
 
 
 class Settings(BaseSettings):
@@ -64,6 +64,36 @@ class Settings(BaseSettings):
     outbox_interval_seconds: float = Field(default=2.0, gt=0, allow_inf_nan=False)
     outbox_max_attempts: int = Field(default=12, gt=0, le=1000)
     outbox_batch_size: int = Field(default=50, gt=0, le=1000)
+    # The sandbox's address and secret, also on ProviderSettings: services' snippets build
+    # a SandboxProvider from these.
+    sandbox_url: str = "http://127.0.0.1:8765"
+    sandbox_webhook_secret: str | None = None
+
+    @field_validator("database_url")
+    @classmethod
+    def _url_given(cls, value: str) -> str:
+        # Set but empty (an unset variable in a template) is a mistake, not "the default".
+        if not value.strip():
+            raise ValueError(
+                "PAYORCH_DATABASE_URL is set but empty: set a SQLAlchemy URL (e.g. "
+                "sqlite:///payorch.db) or unset it"
+            )
+        return value
+
+
+class ProviderSettings(BaseSettings):
+    """Which provider adapters the tools beside the app (the CLI, the reconciler daemon) run.
+
+    Read only by the commands that call a provider, so a provider setting that is wrong
+    stops those commands alone, never ``ops list`` or ``stats``. ``PAYORCH_PROVIDERS``, when
+    set, is the application's own adapters (``module:attribute``: a sequence of adapters,
+    or a callable returning one), exactly as the app builds them; the settings below then
+    are not read. Unset, the tools build the sandbox, and Stripe and Adyen from their keys.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="PAYORCH_", extra="ignore")
+
+    providers: str | None = Field(default=None, pattern=r"^[\w.]+:[\w.]+$")
     sandbox_url: str = "http://127.0.0.1:8765"
     sandbox_webhook_secret: str | None = None
     stripe_api_key: str | None = None
@@ -77,32 +107,9 @@ class Settings(BaseSettings):
     # Adyen (Checkout API and standard notifications): configured when an API key is set.
     adyen_api_key: str | None = None
     adyen_merchant_account: str | None = None
-    # The notification HMAC key, hex as the Customer Area shows it; anything else is refused
-    # at start-up.
+    # The notification HMAC key, hex as the Customer Area shows it. The tools never verify a
+    # notification (the app's webhook route does): they do not need it, and ignore one that
+    # is not hex with a warning.
     adyen_hmac_key: str | None = None
     # Your Checkout endpoint, version included (…/v71): required with an API key.
     adyen_base_url: str | None = None
-
-    @field_validator("database_url")
-    @classmethod
-    def _url_given(cls, value: str) -> str:
-        # Set but empty (an unset variable in a template) is a mistake, not "the default".
-        if not value.strip():
-            raise ValueError(
-                "PAYORCH_DATABASE_URL is set but empty: set a SQLAlchemy URL (e.g. "
-                "sqlite:///payorch.db) or unset it"
-            )
-        return value
-
-    @field_validator("adyen_hmac_key")
-    @classmethod
-    def _hex_key(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        try:
-            ok = bool(value) and len(bytes.fromhex(value)) > 0
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError("PAYORCH_ADYEN_HMAC_KEY must be the hex HMAC key (e.g. 44782D…)")
-        return value

@@ -23,7 +23,7 @@ from payorch.operations import default_registry
 from payorch.provider import Answer, AnswerKind, StatusQuery
 from payorch.providers.stripe import IDEMPOTENCY_WINDOW, StripeProvider
 from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
-from payorch.settings import Settings
+from payorch.settings import ProviderSettings
 from payorch.storage._store import Store
 from payorch.storage._tables import events
 
@@ -140,7 +140,7 @@ def test_settings_reach_the_adapter_the_cli_and_daemon_build(
     monkeypatch.setenv("PAYORCH_STRIPE_API_KEY", "sk_test_x")
     monkeypatch.setenv("PAYORCH_STRIPE_BASE_URL", BASE)
     monkeypatch.setenv("PAYORCH_STRIPE_IDEMPOTENCY_WINDOW_SECONDS", "0")
-    providers = build_providers(Settings())
+    providers = build_providers(ProviderSettings())
     try:
         stripe = next(p for p in providers if p.name == "stripe")
         assert isinstance(stripe, StripeProvider)
@@ -159,7 +159,7 @@ def test_settings_reach_the_adapter_the_cli_and_daemon_build(
             assert stripe.query_status(q).kind is AnswerKind.SUCCEEDED
             assert route.call_count == 1
         monkeypatch.setenv("PAYORCH_STRIPE_IDEMPOTENCY_WINDOW_SECONDS", "3600")
-        (hour,) = [p for p in build_providers(Settings()) if p.name == "stripe"]
+        (hour,) = [p for p in build_providers(ProviderSettings()) if p.name == "stripe"]
         assert hour.idempotency_window == timedelta(hours=1)
     finally:
         for p in providers:
@@ -169,7 +169,7 @@ def test_settings_reach_the_adapter_the_cli_and_daemon_build(
 def test_negative_window_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAYORCH_STRIPE_IDEMPOTENCY_WINDOW_SECONDS", "-1")
     with pytest.raises(ValueError, match="stripe_idempotency_window_seconds"):
-        Settings()
+        ProviderSettings()
 
 
 # -- Search unavailable: list the intents created around the operation ------------------------

@@ -42,6 +42,7 @@ from ..provider import (
 )
 from ..storage._async_store import AsyncStore
 from ..storage._bridge import run_bridged, wait_for
+from ..wire import Resender, WireRequest
 from ._executor import Executor, RetryPolicy
 
 __all__ = ["AsyncExecutor", "bridged_providers"]
@@ -95,8 +96,16 @@ class _Bridged:
         return wait_for(self.inner.avoid(request))
 
 
+class _BridgedResender(_Bridged):
+    """:class:`_Bridged` of an adapter that says what it sends (a ``Resender``)."""
+
+    def wire_request(self, request: SubmitRequest) -> WireRequest | Answer:
+        assert isinstance(self.inner, Resender)  # chosen so by bridged_providers
+        return self.inner.wire_request(request)
+
+
 def bridged_providers(providers: Iterable[AsyncProvider]) -> list[_Bridged]:
-    return [_Bridged(p) for p in providers]
+    return [_BridgedResender(p) if isinstance(p, Resender) else _Bridged(p) for p in providers]
 
 
 class AsyncExecutor:

@@ -13,7 +13,7 @@ import random
 import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -41,6 +41,7 @@ from ..provider import Answer, AnswerKind, Provider, SubmitRequest
 from ..records import OperationRecord, Redactor
 from ..storage._bridge import bridged, pause
 from ..storage._store import Store
+from ..wire import Resender, WireRequest
 from ._flights import Flight, Flights
 
 __all__ = [
@@ -247,10 +248,12 @@ class Executor:
         """The claim, and the provider call if it created the operation: the record to
         answer with, and whether that answer is a replay."""
         claiming = time.perf_counter()
+        wire = wire_of(prepared, adapter)
+        new = prepared.new if wire is None else replace(prepared.new, wire=wire.stored())
         try:
             with tracing.claim(adapter.name) as span:
                 claim = self.store.claim(
-                    prepared.new, owner=self.owner, lease=self.lease, possibly_sent=True, wait=wait
+                    new, owner=self.owner, lease=self.lease, possibly_sent=True, wait=wait
                 )
                 tracing.set_attributes(span, created=claim.created, replayed=claim.replayed)
         except IdempotencyKeyExpired as exc:
@@ -313,6 +316,32 @@ _CONFIGURATION_RETRY_AFTER = 60.0  # seconds
 _LATE_RACES = 5  # attempts to fence a late conflict's flag before only recording it
 
 
+def wire_of(prepared: Prepared, adapter: Provider) -> WireRequest | None:
+    """What ``adapter`` will send for ``prepared``, to keep with its claim (payorch.wire):
+    only where the adapter can say and the stored request hides nothing (a re-send must
+    need nothing that was not stored). None otherwise, and for a request the adapter
+    refuses: its ``submit`` gives that refusal after the claim, as ever."""
+    if not isinstance(adapter, Resender):
+        return None
+    if prepared.redactor is None and Redactor.redacted_at(prepared.new.request) is not None:
+        return None  # the reconciler's own rule: what hides a value is never re-sent
+    new = prepared.new
+    request = SubmitRequest(
+        tenant_id=new.tenant_id,
+        operation=new.operation,
+        operation_id="",  # not sent: the namespace's key and tags carry no per-claim id
+        downstream_key=new.downstream_key,
+        payload=prepared.payload,
+        idempotency_key=new.idempotency_key,
+        fingerprint=new.fingerprint,
+    )
+    try:
+        built = adapter.wire_request(request)
+    except Exception:  # noqa: BLE001 - the send after the claim reports it, classified
+        return None
+    return built if isinstance(built, WireRequest) else None
+
+
 def _submit_once(adapter: Provider, request: SubmitRequest) -> tuple[Answer, bool]:
     """One attempt; returns the answer and whether it flags the operation for a human."""
     try:
@@ -358,6 +387,7 @@ def submit_and_record(
     actor_kind: str = "provider_answer",
     not_sent_is_final: bool = True,
     redactor: Redactor | None = None,
+    wire: WireRequest | None = None,
 ) -> OperationRecord:
     """Submit ``record`` (lease held by ``owner``, attempt marked possibly sent) and record
     the classified answer. Shared by the executor and the reconciler's re-submission.
@@ -374,6 +404,8 @@ def submit_and_record(
     found no ``[redacted]`` in it (the reconciler's re-send; it escalates the others).
     ``redactor``: what the provider's echo must not store; None (default) derives it from
     ``record.request`` and ``payload`` (:meth:`Redactor.of <payorch.records.Redactor.of>`).
+    ``wire``: the request the claim kept (:mod:`payorch.wire`), which a re-send hands the
+    adapter to send as it is (``SubmitRequest.wire``).
     """
     request = SubmitRequest(
         tenant_id=record.tenant_id,
@@ -383,6 +415,7 @@ def submit_and_record(
         payload=payload,
         idempotency_key=record.idempotency_key,
         fingerprint=record.fingerprint,
+        wire=wire,
     )
     # What the provider echoes of a sensitive value is stored nowhere (evidence, response);
     # by value where the stored request hid one, by name everywhere (payorch.records).

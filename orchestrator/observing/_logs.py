@@ -27,8 +27,9 @@ event                          level    when
 ``reconciler.started``         INFO     the daemon's first line
 ``webhook.handled``            INFO     a verified delivery and what it did
 ``webhook.rejected``           WARNING  a delivery refused (signature, shape, storage)
-``database.replication``       INFO     start-up: the replication mode (``payorch.db``);
-                                        WARNING unless synchronous
+``database.replication``       INFO     start-up: the replication mode (``payorch.db``) and
+                                        its ``meaning``; WARNING when it puts something
+                                        at risk (async, sync_blocked, unknown)
 =============================  =======  ==================================================
 
 Each helper checks ``isEnabledFor`` before it builds anything, so a level that is off costs
@@ -61,6 +62,7 @@ __all__ = [
     "emit",
     "escalated",
     "late_answer",
+    "no_provider",
     "reconcile_pass",
     "reconcile_progress",
     "reconciler_started",
@@ -276,6 +278,20 @@ def reconcile_pass(
         outcomes=dict(sorted(outcomes.items())),
         released=released or None,
         total_picked=total,
+    )
+
+
+def no_provider(record: Any) -> None:
+    """WARNING ``operation.no_provider``: a due operation whose adapter this process lacks;
+    it waits, checked by nobody, until a process with that adapter runs."""
+    emit(
+        reconciler_log,
+        logging.WARNING,
+        "operation.no_provider",
+        operation_id=record.id,
+        tenant_id=record.tenant_id,
+        provider=record.provider,
+        fix="run the tools with the app's adapters: PAYORCH_PROVIDERS=module:attribute",
     )
 
 

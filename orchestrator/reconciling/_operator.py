@@ -249,7 +249,10 @@ def recheck(
     asks_provider = not (record.state is State.IN_PROGRESS and not record.possibly_sent)
     if asks_provider and record.provider not in reconciler.providers:
         # Checked before leasing: without the adapter the check would only reschedule.
-        raise UnknownProvider(f"provider {record.provider!r} is not configured here")
+        raise UnknownProvider(
+            f"provider {record.provider!r} is not configured here: run the tools with the "
+            "app's adapters (PAYORCH_PROVIDERS=module:attribute)"
+        )
     leased, now = _take_lease(
         store,
         record,

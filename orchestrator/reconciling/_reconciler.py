@@ -18,11 +18,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timedelta
 from typing import Any
 
-import sqlalchemy as sa
-
 from ..core import State, backoff_delay
 from ..errors import ConfigurationError, CorruptRecord, StaleVersion
-from ..execution._executor import RetryPolicy, owner_of_this_process, submit_and_record
+from ..execution._executor import RetryPolicy, owner_of_this_process
 from ..observing import _logs as logs
 from ..observing import _metrics as metrics
 from ..observing import _tracing as tracing
@@ -38,9 +36,9 @@ from ..provider import (
 )
 from ..records import OperationRecord, Redactor
 from ..storage._store import Store
-from ..storage._tables import db_now_plus, operations
 from ._policy import DEFAULT_CONCURRENCY, ReconcileReport, ReconcilerPolicy
-from ._voids import VOID_REQUESTED, VOID_WANTED, query_of, run_void, void_due
+from ._resends import resend_if_covered
+from ._voids import VOID_REQUESTED, query_of, run_void, void_due
 
 __all__ = ["ReconcileReport", "Reconciler", "ReconcilerPolicy"]
 
@@ -288,6 +286,7 @@ class Reconciler:
             return "abandoned"
         provider = self.providers.get(record.provider)
         if provider is None:
+            logs.no_provider(record)
             self._reschedule(record, now, kind="check", detail={"error": "provider not configured"})
             return "no_provider"
         if record.resolution == VOID_REQUESTED:
@@ -369,7 +368,8 @@ class Reconciler:
             detail["decision"] = f"escalate: {reason}; waiting for evidence"
             self._reschedule(record, now, kind="awaiting_evidence", detail=detail, attention=True)
             return "escalated"
-        return self._resend_if_covered(
+        return resend_if_covered(
+            self,
             record,
             now,
             provider,
@@ -388,7 +388,8 @@ class Reconciler:
             detail["decision"] = "not found within the grace period: wait"
             self._reschedule(record, now, kind="status_query", detail=detail)
             return "not_found_waiting"
-        return self._resend_if_covered(
+        return resend_if_covered(
+            self,
             record,
             now,
             provider,
@@ -397,108 +398,6 @@ class Reconciler:
             actor_kind="resubmission",
             decision="not found after grace, within the key window: re-submit",
         )
-
-    def _resend_if_covered(
-        self,
-        record: OperationRecord,
-        now: datetime,
-        provider: Provider,
-        detail: dict[str, Any],
-        *,
-        kind: str,
-        actor_kind: str,
-        decision: str,
-        age: timedelta | None = None,
-    ) -> str:
-        """Re-send (re-submit or replay) the stored request under its key while the
-        provider's window still covers it; otherwise escalate, never re-sending."""
-        window = provider.idempotency_window
-        reason = None
-        # Judge the window by the database clock now, not the batch's pick time: earlier
-        # checks in the batch may have taken long. The UPDATE in _resend re-checks it.
-        if age is None:
-            age = self.store.db_time() - record.created_at
-        if record.resolution in VOID_WANTED:
-            reason = "a void of it was wanted: never re-sent"
-        elif window is None:
-            reason = "provider honours no idempotency key: never re-sent"
-        elif age > window - self.policy.window_margin:
-            reason = "past the provider's idempotency window: re-sending could charge twice"
-        elif (where := Redactor.redacted_at(record.request)) is not None:
-            # What was stored is not what was sent (a sensitive value, at any depth, is the
-            # placeholder): re-sending it would hand the provider "[redacted]".
-            reason = (
-                f"stored request is incomplete (redacted at {where}): cannot re-send the "
-                "identical request; settle it from the provider's records"
-            )
-        if reason is not None:
-            detail["decision"] = f"escalate: {reason}"
-            self._reschedule(record, now, kind=kind, detail=detail, attention=True)
-            return "escalated"
-        assert window is not None and record.request is not None
-        detail["decision"] = decision
-        return self._resend(
-            record,
-            now,
-            provider,
-            detail,
-            payload=dict(record.request),  # checked above: the request as first sent
-            window=window,
-            actor_kind=actor_kind,
-        )
-
-    def _resend(
-        self,
-        record: OperationRecord,
-        now: datetime,
-        provider: Provider,
-        detail: dict[str, Any],
-        *,
-        payload: Mapping[str, Any],
-        window: timedelta,
-        actor_kind: str,
-    ) -> str:
-        """Send the stored request again under its key, while the window still covers it.
-
-        ``payload`` is the stored request, found whole by the caller (no placeholder).
-        """
-        still_covered = operations.c.created_at > db_now_plus(
-            sa.literal(-(window - self.policy.window_margin).total_seconds())
-        )
-        try:
-            moved = self._write(
-                record,
-                State.IN_PROGRESS,
-                kind="replay" if actor_kind == "replay" else "resubmit",
-                actor=self.owner,
-                detail=detail,
-                lease=self.policy.lease,
-                lease_owner=self.owner,
-                possibly_sent=True,
-                attempts_delta=1,
-                checks_delta=1,
-                guard=still_covered,
-            )
-        except StaleVersion:
-            if self.store.get(record.tenant_id, record.id).version != record.version:
-                raise  # someone else wrote it: a lost race
-            # Unchanged, so the window guard refused: the window closed while we looked.
-            detail["decision"] = "escalate: the key window closed before the re-send"
-            self._reschedule(record, now, kind="status_query", detail=detail, attention=True)
-            return "escalated"
-        final = submit_and_record(
-            self.store,
-            provider,
-            moved,
-            payload,
-            owner=self.owner,
-            lease=self.policy.lease,
-            retry=self.submit_retry,
-            actor_kind=actor_kind,
-            not_sent_is_final=False,
-        )
-        verb = "replayed" if actor_kind == "replay" else "resubmitted"
-        return f"{verb}_{final.state.value}"
 
     # -- writes -----------------------------------------------------------------------
 

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..errors import CommitUncertain
 from ..records import NewOperation, OperationRecord
 
-__all__ = ["IN_PROGRESS_RETRY_CAP", "claim_uncertain", "duplicate_kind", "look_again_after"]
+__all__ = [
+    "IN_PROGRESS_RETRY_CAP",
+    "claim_detail",
+    "claim_uncertain",
+    "duplicate_kind",
+    "look_again_after",
+]
 
 # "In progress" tells a client when to look again, not how long the lease lasts: the lease
 # bounds the whole call with every inline retry (minutes with Stripe's time-outs). Look again
@@ -46,3 +54,12 @@ def duplicate_kind(existing: OperationRecord, new: NewOperation) -> str | None:
     if existing.terminal:
         return "replayed"
     return None
+
+
+def claim_detail(new: NewOperation, **extra: Any) -> dict[str, Any]:
+    """The ``claimed`` (or ``reclaimed``) event's detail: ``extra``, the namespace's key and
+    fingerprint, and the request the adapter will send, when it said (``payorch.wire``)."""
+    detail = {**extra, "idempotency_key": new.idempotency_key, "fingerprint": new.fingerprint}
+    if new.wire is not None:
+        detail["wire"] = dict(new.wire)
+    return detail

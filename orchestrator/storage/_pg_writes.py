@@ -16,6 +16,7 @@ from sqlalchemy.engine import Engine
 
 from ..errors import CorruptRecord, StaleVersion, StorageError
 from ..records import OPERATION_COLUMNS, NewOperation, OperationRecord
+from ._claims import claim_detail
 from ._engine import run_sql, run_sql_rows
 from ._replication import gate
 from ._statements import PG_CLAIM, PG_CLAIM_DUE, PG_CLAIM_DUE_TENANTS, PG_REREAD, pg_transition_sql
@@ -63,9 +64,7 @@ def claim(
         "owner": owner,
         "lease_s": lease_s,
         "event_id": event_id,
-        "detail": json_param(
-            {"idempotency_key": new.idempotency_key, "fingerprint": new.fingerprint}
-        ),
+        "detail": json_param(claim_detail(new)),
     }
     gate(engine)  # with PAYORCH_REQUIRE_SYNC_STANDBY: no claim without a synchronous standby
     row = run_sql(engine, PG_CLAIM, params)

@@ -38,7 +38,7 @@ from ..records import ClaimResult, NewOperation, OperationRecord
 from . import _pg_writes as pg_writes
 from . import _probes as probes
 from . import _replication as replication
-from ._claims import claim_uncertain, duplicate_kind, look_again_after
+from ._claims import claim_detail, claim_uncertain, duplicate_kind, look_again_after
 from ._engine import create_engine, run_in_transaction, run_statement, schema_of
 from ._outbox import OutboxHooks, stage_settled, staging
 from ._pooling import listen_dsn
@@ -197,7 +197,7 @@ class Store(Reads, Replays, WorkQueue, SchemaCheck):
             State.IN_PROGRESS,
             kind="reclaimed",
             actor=owner,
-            detail={"reason": "nothing was sent before: the same key runs again"},
+            detail=claim_detail(new, reason="nothing was sent before: the same key runs again"),
             lease=lease,
             lease_owner=owner,
             possibly_sent=possibly_sent,
@@ -266,7 +266,7 @@ class Store(Reads, Replays, WorkQueue, SchemaCheck):
                     actor=owner,
                     from_state=None,
                     to_state=State.IN_PROGRESS,
-                    detail={"idempotency_key": new.idempotency_key, "fingerprint": new.fingerprint},
+                    detail=claim_detail(new),
                 )
                 attempted.append((record, True, 0.0))
                 return record, True, 0.0

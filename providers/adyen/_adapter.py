@@ -37,6 +37,7 @@ from ...provider import (
     call_budget,
     send_with_deadline,
 )
+from ...wire import DECIDING_HEADERS, WireRequest
 from ._classify import Reply, modification_answer, payment_answer
 from ._notifications import decode_hmac_key, parse_notifications
 from ._requests import Call, InvalidPayload, require_supported, submit_call, void_call
@@ -56,6 +57,7 @@ CAPABILITIES = frozenset(
 )
 
 _Classifier = Callable[[Reply], Answer]
+_Builder = Callable[[httpx.Client | httpx.AsyncClient], httpx.Request]
 
 
 class AdyenProvider(ClosesClients):
@@ -153,6 +155,9 @@ class AdyenProvider(ClosesClients):
         Adyen could not take is refused before sending (NOT_SENT, ``invalid_request``), and
         everything else, transport failures included, comes back as an :class:`Answer`.
         """
+        if request.wire is not None:  # a re-send: the request as first sent
+            wire = request.wire
+            return self._send_built(lambda c: self._rebuilt(c, wire), _classifier(wire))
         prepared = self._prepare_submit(request)
         if isinstance(prepared, Answer):
             return prepared
@@ -160,10 +165,23 @@ class AdyenProvider(ClosesClients):
 
     async def asubmit(self, request: SubmitRequest) -> Answer:
         """:meth:`submit` over ``httpx.AsyncClient``."""
+        if request.wire is not None:
+            wire = request.wire
+            return await self._asend_built(lambda c: self._rebuilt(c, wire), _classifier(wire))
         prepared = self._prepare_submit(request)
         if isinstance(prepared, Answer):
             return prepared
         return await self._asend(*prepared)
+
+    def wire_request(self, request: SubmitRequest) -> WireRequest | Answer:
+        """What :meth:`submit` sends for ``request`` (with this adapter's merchant account,
+        return URL and default currency), or the refusal it answers: a
+        :class:`payorch.wire.Resender`."""
+        prepared = self._prepare_submit(request)
+        if isinstance(prepared, Answer):
+            return prepared
+        built = self._request(self._clients.sync, prepared[0])
+        return WireRequest.of(built, base_url=self._base_url)
 
     def query_status(self, query: StatusQuery) -> Answer:
         """Adyen cannot be asked where a payment stands: AMBIGUOUS, ``status_unsupported``
@@ -249,25 +267,42 @@ class AdyenProvider(ClosesClients):
     def _deadline(self) -> float:
         return time.monotonic() + self._max_call_duration.total_seconds()
 
+    def _rebuilt(
+        self, client: httpx.Client | httpx.AsyncClient, wire: WireRequest
+    ) -> httpx.Request:
+        headers = {k: v for k, v in self._headers.items() if k.lower() not in DECIDING_HEADERS}
+        tracing.inject(headers)  # the current span's traceparent, when tracing is on
+        return wire.build(client, base_url=self._base_url, headers=headers, timeout=self._timeout)
+
     def _send(self, call: Call, classify: _Classifier) -> Answer:
+        return self._send_built(lambda client: self._request(client, call), classify)
+
+    async def _asend(self, call: Call, classify: _Classifier) -> Answer:
+        return await self._asend_built(lambda client: self._request(client, call), classify)
+
+    def _send_built(self, build: _Builder, classify: _Classifier) -> Answer:
         """One HTTP call under the call deadline; httpx errors become answers here."""
         deadline = self._deadline()
         try:
             client = self._clients.sync
-            response = send_with_deadline(client, self._request(client, call), deadline=deadline)
+            response = send_with_deadline(client, build(client), deadline=deadline)
         except httpx.HTTPError as exc:
             return answer_from_transport_error(exc)
         return classify(Reply.from_response(response))
 
-    async def _asend(self, call: Call, classify: _Classifier) -> Answer:
+    async def _asend_built(self, build: _Builder, classify: _Classifier) -> Answer:
         deadline = self._deadline()
         client = self._clients.asynchronous()
         try:
-            request = self._request(client, call)
-            response = await asend_with_deadline(client, request, deadline=deadline)
+            response = await asend_with_deadline(client, build(client), deadline=deadline)
         except httpx.HTTPError as exc:
             return answer_from_transport_error(exc)
         return classify(Reply.from_response(response))
+
+
+def _classifier(wire: WireRequest) -> _Classifier:
+    """How a submission's answer reads: a payment's, or a modification's (by its path)."""
+    return payment_answer if wire.path == "/payments" else modification_answer
 
 
 def _void_answer(reply: Reply) -> Answer:

@@ -59,6 +59,7 @@ from ...provider import (
     send_with_deadline,
     unix_time,
 )
+from ...wire import WireRequest
 
 __all__ = ["DEFAULT_TIMEOUT", "SandboxProvider"]
 
@@ -202,11 +203,28 @@ class SandboxProvider(ClosesClients):
         )
 
     def submit(self, request: SubmitRequest) -> Answer:
+        """Send ``request`` (its ``wire`` as it is, when set) and classify the answer."""
         try:
-            response = self._send(self._submit_request(self._clients.sync, request))
+            response = self._send(self._outgoing(self._clients.sync, request))
         except httpx.HTTPError as exc:
             return answer_from_transport_error(exc)
         return self._classify_submit(response, request)
+
+    def wire_request(self, request: SubmitRequest) -> WireRequest:
+        """What :meth:`submit` sends for ``request`` (a :class:`payorch.wire.Resender`)."""
+        built = self._submit_request(self._clients.sync, request)
+        return WireRequest.of(built, base_url=self._base_url)
+
+    def _outgoing(
+        self, client: httpx.Client | httpx.AsyncClient, request: SubmitRequest
+    ) -> httpx.Request:
+        """``request.wire`` as it is (a re-send), else the request built now."""
+        if request.wire is None:
+            return self._submit_request(client, request)
+        headers = tracing.inject({})  # the current span's traceparent
+        return request.wire.build(
+            client, base_url=self._base_url, headers=headers, timeout=self._timeout
+        )
 
     def query_status(self, query: StatusQuery) -> Answer:
         try:
@@ -264,7 +282,7 @@ class SandboxProvider(ClosesClients):
     async def asubmit(self, request: SubmitRequest) -> Answer:
         client = self._clients.asynchronous()
         try:
-            response = await self._asend(self._submit_request(client, request))
+            response = await self._asend(self._outgoing(client, request))
         except httpx.HTTPError as exc:
             return answer_from_transport_error(exc)
         return self._classify_submit(response, request)

@@ -42,8 +42,9 @@ from ...provider import (
     call_budget,
     send_with_deadline,
 )
+from ...wire import DECIDING_HEADERS, WireRequest
 from ._classify import Reply
-from ._flows import Call, Flow, query_flow, submit_flow
+from ._flows import Call, Flow, query_flow, submit_answer, submit_flow
 from ._listing import list_effects
 from ._voids import void_flow
 from ._webhooks import parse_stripe_webhook
@@ -73,6 +74,9 @@ CAPABILITIES = frozenset(
         Capability.WEBHOOKS,
     }
 )
+# A re-sent request keeps the API version it was sent under: another version may read the
+# same form otherwise.
+_KEPT_HEADERS = DECIDING_HEADERS | {"stripe-version", "stripe-account"}
 
 
 class StripeProvider(ClosesClients):
@@ -182,7 +186,30 @@ class StripeProvider(ClosesClients):
         ProviderIdempotencyError when Stripe says the key was used with other parameters;
         everything else, transport failures included, comes back as an :class:`Answer`.
         """
+        if request.wire is not None:  # a re-send: the request as first sent
+            client = self._clients.sync
+            reply = self._send_built(client, self._rebuilt(client, request.wire))
+            return submit_answer(request, reply)
         return self._run(submit_flow(request))
+
+    def wire_request(self, request: SubmitRequest) -> WireRequest | Answer:
+        """What :meth:`submit` sends for ``request``, or the answer it gives without
+        sending: a :class:`payorch.wire.Resender`."""
+        flow = submit_flow(request)
+        try:
+            call = next(flow)
+        except StopIteration as refused:
+            answer: Answer = refused.value
+            return answer
+        built = self._request(self._clients.sync, call)
+        return WireRequest.of(built, base_url=self._base_url, keep=_KEPT_HEADERS)
+
+    def _rebuilt(
+        self, client: httpx.Client | httpx.AsyncClient, wire: WireRequest
+    ) -> httpx.Request:
+        headers = {k: v for k, v in self._headers.items() if k.lower() not in _KEPT_HEADERS}
+        tracing.inject(headers)  # the current span's traceparent, when tracing is on
+        return wire.build(client, base_url=self._base_url, headers=headers, timeout=self._timeout)
 
     def query_status(self, query: StatusQuery) -> Answer:
         """Ask Stripe where ``query``'s operation stands.
@@ -216,6 +243,10 @@ class StripeProvider(ClosesClients):
 
     async def asubmit(self, request: SubmitRequest) -> Answer:
         """:meth:`submit` over ``httpx.AsyncClient`` (the same flow, driven async)."""
+        if request.wire is not None:
+            client = self._clients.asynchronous()
+            built = self._rebuilt(client, request.wire)
+            return submit_answer(request, await self._asend_built(client, built, self._deadline()))
         return await self._arun(submit_flow(request))
 
     async def aquery_status(self, query: StatusQuery) -> Answer:
@@ -273,18 +304,28 @@ class StripeProvider(ClosesClients):
 
     def _call(self, call: Call, deadline: float) -> Reply | Answer:
         """One HTTP call; httpx errors become answers here and nowhere else."""
+        client = self._clients.sync
+        return self._send_built(client, self._request(client, call), deadline)
+
+    async def _acall(self, call: Call, deadline: float) -> Reply | Answer:
+        client = self._clients.asynchronous()
+        return await self._asend_built(client, self._request(client, call), deadline)
+
+    def _send_built(
+        self, client: httpx.Client, request: httpx.Request, deadline: float | None = None
+    ) -> Reply | Answer:
         try:
-            client = self._clients.sync
-            request = self._request(client, call)
-            response = send_with_deadline(client, request, deadline=deadline)
+            response = send_with_deadline(
+                client, request, deadline=deadline if deadline is not None else self._deadline()
+            )
         except httpx.HTTPError as exc:
             return answer_from_transport_error(exc)
         return Reply.from_response(response)
 
-    async def _acall(self, call: Call, deadline: float) -> Reply | Answer:
-        client = self._clients.asynchronous()
+    async def _asend_built(
+        self, client: httpx.AsyncClient, request: httpx.Request, deadline: float
+    ) -> Reply | Answer:
         try:
-            request = self._request(client, call)
             response = await asend_with_deadline(client, request, deadline=deadline)
         except httpx.HTTPError as exc:
             return answer_from_transport_error(exc)

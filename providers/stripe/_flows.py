@@ -45,7 +45,7 @@ from ._forms import (
     submit_call,
 )
 
-__all__ = ["Call", "Flow", "query_flow", "submit_flow"]
+__all__ = ["Call", "Flow", "query_flow", "submit_answer", "submit_flow"]
 
 _SEARCH_LIMIT = 10  # objects retrieved after a search; more than one is already an anomaly
 _REFUND_PAGES = 10  # pages of 100 refunds listed per payment intent before giving up
@@ -85,6 +85,12 @@ def submit_flow(request: SubmitRequest) -> Flow:
         # Nothing was sent; Stripe would have refused it with a 400 all the same.
         return Answer(kind=AnswerKind.DECLINED, code="invalid_payload", message=str(exc))
     reply = yield Call(method="POST", path=path, form=form, idempotency_key=request.downstream_key)
+    return submit_answer(request, reply)
+
+
+def submit_answer(request: SubmitRequest, reply: Reply | Answer) -> Answer:
+    """What Stripe's ``reply`` to the submission of ``request`` says (a transport failure's
+    answer as it is); raises ProviderIdempotencyError as :func:`submit_flow` says."""
     if isinstance(reply, Answer):
         return reply
     failure = failure_answer(

@@ -1,0 +1,169 @@
+"""The reconciler's re-send: the identical request again under its key, or nothing.
+
+A replay (a provider that cannot be asked) or a re-submission ("not found" after the grace
+period) is safe only while the provider's idempotency window covers the key, and only as
+the identical request: the provider then answers the first outcome, or executes the one
+request that never arrived. For an adapter that keeps its wire request (:mod:`payorch.wire`)
+that is the request the claim kept, sent byte for byte whatever this process's settings
+say; one that kept none (an operation whose stored request hides a sensitive value, or one
+claimed before wire requests were kept) is never re-sent: it escalates. An adapter that
+cannot keep one re-sends from the stored request, which its ``submit`` must turn into the
+same request (the adapter kit checks it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+import sqlalchemy as sa
+
+from ..core import State
+from ..errors import StaleVersion
+from ..execution._executor import RetryPolicy, submit_and_record
+from ..provider import Provider
+from ..records import OperationRecord, Redactor
+from ..storage._sent import sent_wire
+from ..storage._store import Store
+from ..storage._tables import db_now_plus, operations
+from ..wire import Resender, WireRequest
+from ._policy import ReconcilerPolicy
+from ._voids import VOID_WANTED
+
+__all__ = ["resend_if_covered"]
+
+
+class Reconciler(Protocol):
+    """What a re-send needs of the reconciler that runs it (``_reconciler.Reconciler``)."""
+
+    store: Store
+    policy: ReconcilerPolicy
+    owner: str
+    submit_retry: RetryPolicy
+
+    @property
+    def _write(self) -> Callable[..., OperationRecord]: ...
+
+    @property
+    def _reschedule(self) -> Callable[..., None]: ...
+
+
+def resend_if_covered(
+    rec: Reconciler,
+    record: OperationRecord,
+    now: datetime,
+    provider: Provider,
+    detail: dict[str, Any],
+    *,
+    kind: str,
+    actor_kind: str,
+    decision: str,
+    age: timedelta | None = None,
+) -> str:
+    """Re-send (re-submit or replay) the request as first sent, under its key, while the
+    provider's window still covers it; otherwise escalate, never re-sending."""
+    window = provider.idempotency_window
+    reason = None
+    wire: WireRequest | None = None
+    # Judge the window by the database clock now, not the batch's pick time: earlier
+    # checks in the batch may have taken long. The UPDATE in _resend re-checks it.
+    if age is None:
+        age = rec.store.db_time() - record.created_at
+    if record.resolution in VOID_WANTED:
+        reason = "a void of it was wanted: never re-sent"
+    elif window is None:
+        reason = "provider honours no idempotency key: never re-sent"
+    elif age > window - rec.policy.window_margin:
+        reason = "past the provider's idempotency window: re-sending could charge twice"
+    elif (where := Redactor.redacted_at(record.request)) is not None:
+        # What was stored is not what was sent (a sensitive value, at any depth, is the
+        # placeholder): re-sending it would hand the provider "[redacted]".
+        reason = (
+            f"stored request is incomplete (redacted at {where}): cannot re-send the "
+            "identical request; settle it from the provider's records"
+        )
+    elif isinstance(provider, Resender):
+        wire = sent_wire(rec.store.engine, record)
+        if wire is None:
+            # Built again here, it would carry this process's settings, not the app's.
+            reason = (
+                "the request as first sent was not kept: one built here could differ; "
+                "settle it from the provider's records"
+            )
+    if reason is not None:
+        detail["decision"] = f"escalate: {reason}"
+        rec._reschedule(record, now, kind=kind, detail=detail, attention=True)
+        return "escalated"
+    assert window is not None and record.request is not None
+    detail["decision"] = decision
+    if wire is not None:
+        detail["wire"] = "as first sent"
+    return _resend(
+        rec,
+        record,
+        now,
+        provider,
+        detail,
+        payload=dict(record.request),  # checked above: the request as first sent
+        wire=wire,
+        window=window,
+        actor_kind=actor_kind,
+    )
+
+
+def _resend(
+    rec: Reconciler,
+    record: OperationRecord,
+    now: datetime,
+    provider: Provider,
+    detail: dict[str, Any],
+    *,
+    payload: Mapping[str, Any],
+    wire: WireRequest | None,
+    window: timedelta,
+    actor_kind: str,
+) -> str:
+    """Send the request again under its key, while the window still covers it.
+
+    ``payload`` is the stored request, found whole by the caller (no placeholder); ``wire``
+    the request the claim kept, sent as it is where there is one.
+    """
+    still_covered = operations.c.created_at > db_now_plus(
+        sa.literal(-(window - rec.policy.window_margin).total_seconds())
+    )
+    try:
+        moved = rec._write(
+            record,
+            State.IN_PROGRESS,
+            kind="replay" if actor_kind == "replay" else "resubmit",
+            actor=rec.owner,
+            detail=detail,
+            lease=rec.policy.lease,
+            lease_owner=rec.owner,
+            possibly_sent=True,
+            attempts_delta=1,
+            checks_delta=1,
+            guard=still_covered,
+        )
+    except StaleVersion:
+        if rec.store.get(record.tenant_id, record.id).version != record.version:
+            raise  # someone else wrote it: a lost race
+        # Unchanged, so the window guard refused: the window closed while we looked.
+        detail["decision"] = "escalate: the key window closed before the re-send"
+        rec._reschedule(record, now, kind="status_query", detail=detail, attention=True)
+        return "escalated"
+    final = submit_and_record(
+        rec.store,
+        provider,
+        moved,
+        payload,
+        owner=rec.owner,
+        lease=rec.policy.lease,
+        retry=rec.submit_retry,
+        actor_kind=actor_kind,
+        not_sent_is_final=False,
+        wire=wire,
+    )
+    verb = "replayed" if actor_kind == "replay" else "resubmitted"
+    return f"{verb}_{final.state.value}"

@@ -1,0 +1,46 @@
+"""The request an operation's adapter sent, as its claim kept it (:mod:`payorch.wire`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from ..records import OperationRecord
+from ..wire import WireRequest
+from ._engine import read_in_transaction
+from ._tables import events
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
+
+__all__ = ["sent_wire"]
+
+# The events whose detail carries what the next send is: the claim, and the take-over of a
+# released operation (which stores the request it runs with).
+_CLAIM_KINDS = ("claimed", "reclaimed")
+
+
+def sent_wire(engine: Engine, record: OperationRecord) -> WireRequest | None:
+    """The wire request of ``record``'s latest claim or take-over; None if it kept none (an
+    adapter that cannot say, a request that hid a sensitive value, a reaped operation)."""
+    e = events.c
+    query = (
+        sa.select(e.detail)
+        .where(
+            e.tenant_id == record.tenant_id,
+            e.operation_id == record.id,
+            e.kind.in_(_CLAIM_KINDS),
+        )
+        .order_by(e.version.desc())
+        .limit(1)
+    )
+
+    def read(conn: Connection) -> object:
+        return conn.execute(query).scalar()
+
+    detail = read_in_transaction(engine, read)
+    if not isinstance(detail, dict):
+        return None
+    return WireRequest.from_stored(detail.get("wire"))

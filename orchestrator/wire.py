@@ -1,0 +1,135 @@
+"""What a submission put on the wire, kept so that a re-send is that request, byte for byte.
+
+A replay inside the provider's idempotency window (or a re-submission after "not found")
+is safe only if it is the identical request under the same key: the provider then answers
+the first outcome. A request rebuilt later from the stored payload is identical only if the
+adapter is configured as it was (an Adyen ``return_url``, a merchant account, a default
+currency): a daemon built from other settings would send another request, which the
+provider refuses or, worse, executes as the first. So an adapter that can
+(:class:`Resender`) says what it would send, before the claim; the claim keeps it with
+the operation (its ``claimed`` event), and a re-send hands it back to the adapter's
+``submit`` (:attr:`SubmitRequest.wire <payorch.provider.SubmitRequest.wire>`), which
+sends it as it is. Credentials and tracing headers are the sender's own; the method, the
+path under the adapter's base URL, the headers that decide the request
+(``Idempotency-Key``, ``Content-Type`` and what the adapter names) and the body are kept.
+
+A request whose stored copy hides a sensitive value keeps no wire request either: a
+re-send would need what was not stored, so none happens (the reconciler escalates).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import httpx
+
+if TYPE_CHECKING:
+    from .provider import Answer, SubmitRequest
+
+__all__ = ["DECIDING_HEADERS", "Resender", "WireRequest"]
+
+# Headers that decide what the provider does with a request (the others are credentials,
+# tracing or transport, which the sender supplies afresh).
+DECIDING_HEADERS = frozenset({"idempotency-key", "content-type"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class WireRequest:
+    """One HTTP request as an adapter sent it (see the module's docstring)."""
+
+    method: str
+    path: str  # under the adapter's base URL, query included
+    headers: tuple[tuple[str, str], ...]  # the deciding ones, as sent
+    body: bytes
+
+    @classmethod
+    def of(
+        cls, request: httpx.Request, *, base_url: str, keep: Iterable[str] = DECIDING_HEADERS
+    ) -> WireRequest:
+        """The wire form of ``request``, built by an adapter whose base URL is ``base_url``."""
+        url = str(request.url)
+        base = base_url.rstrip("/")
+        if not url.startswith(base):
+            raise ValueError(f"{url!r} is not under the adapter's base URL {base!r}")
+        kept = {name.lower() for name in keep}
+        headers = tuple((k, v) for k, v in request.headers.items() if k.lower() in kept)
+        return cls(
+            method=request.method, path=url[len(base) :], headers=headers, body=request.read()
+        )
+
+    def build(
+        self,
+        client: httpx.Client | httpx.AsyncClient,
+        *,
+        base_url: str,
+        headers: Mapping[str, str],
+        timeout: Any,
+    ) -> httpx.Request:
+        """The request to send again: this one's method, path, deciding headers and body,
+        with the sender's own credentials and tracing ``headers`` beside them."""
+        merged = dict(headers)
+        merged.update(self.headers)
+        return client.build_request(
+            self.method,
+            base_url.rstrip("/") + self.path,
+            content=self.body,
+            headers=merged,
+            timeout=timeout,
+        )
+
+    def stored(self) -> dict[str, Any]:
+        """A JSON-able form (text bodies as text, others in base64)."""
+        out: dict[str, Any] = {
+            "method": self.method,
+            "path": self.path,
+            "headers": [list(h) for h in self.headers],
+        }
+        try:
+            out["body"] = self.body.decode("utf-8")
+        except UnicodeDecodeError:
+            out["body_base64"] = base64.b64encode(self.body).decode("ascii")
+        return out
+
+    @classmethod
+    def from_stored(cls, data: object) -> WireRequest | None:
+        """The request :meth:`stored` wrote, or None for anything else (never a guess)."""
+        if not isinstance(data, Mapping):
+            return None
+        method, path, headers = data.get("method"), data.get("path"), data.get("headers")
+        if not (isinstance(method, str) and isinstance(path, str) and isinstance(headers, list)):
+            return None
+        pairs = []
+        for h in headers:
+            if not (isinstance(h, list) and len(h) == 2 and all(isinstance(p, str) for p in h)):
+                return None
+            pairs.append((h[0], h[1]))
+        body: bytes
+        if isinstance(data.get("body"), str):
+            body = data["body"].encode("utf-8")
+        elif isinstance(data.get("body_base64"), str):
+            try:
+                body = base64.b64decode(data["body_base64"], validate=True)
+            except (binascii.Error, ValueError):
+                return None
+        else:
+            return None
+        return cls(method=method, path=path, headers=tuple(pairs), body=body)
+
+
+@runtime_checkable
+class Resender(Protocol):
+    """Optional, beside :class:`~payorch.provider.Provider`: an adapter that says what it
+    would send for a submission, and sends exactly that when asked to.
+
+    ``wire_request`` builds without sending; it raises or answers (NOT_SENT / DECLINED) as
+    ``submit`` would for a request it refuses. ``submit`` (and ``asubmit``) of a request
+    whose ``wire`` is set sends that wire request as it is, under the adapter's own
+    credentials, and classifies the answer as for that request; without one, it sends what
+    ``wire_request`` says.
+    """
+
+    def wire_request(self, request: SubmitRequest) -> WireRequest | Answer: ...

@@ -60,6 +60,7 @@ from ..http import (
     webhook_answer,
 )
 from ..outcome import Outcome
+from ._common import checked_operation_id
 from ._django_config import (
     PayorchAppConfig,
     PayorchConfig,
@@ -424,7 +425,10 @@ def _sync_operation(request: HttpRequest, operation_id: str, **_: Any) -> HttpRe
         tenant = config().tenant(request)
         if tenant is None:
             return _unresolved()
-        record = store().get(validate_tenant(tenant), operation_id)
+        # An id no row can hold (a NUL, a lone surrogate, too long) is not found, as in the
+        # other integrations, before the store is touched: the database may refuse it (503).
+        wanted = checked_operation_id(operation_id)
+        record = store().get(validate_tenant(tenant), wanted)
     except Exception as exc:  # noqa: BLE001 - every failure answers problem+json
         return _response(_failure(exc, request))
     return _operation_answer(Outcome.from_record(record, replayed=False))
@@ -438,8 +442,9 @@ async def _async_operation(request: HttpRequest, operation_id: str, **_: Any) ->
         tenant = await async_tenant(request)
         if tenant is None:
             return _unresolved()
+        wanted = checked_operation_id(operation_id)  # as the sync view, before the store
         await checked_async()
-        record = await async_store().get(validate_tenant(tenant), operation_id)
+        record = await async_store().get(validate_tenant(tenant), wanted)
     except Exception as exc:  # noqa: BLE001 - every failure answers problem+json
         return _response(_failure(exc, request))
     return _operation_answer(Outcome.from_record(record, replayed=False))

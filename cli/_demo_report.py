@@ -15,6 +15,7 @@ from rich.table import Table
 from ..core import State
 from ..outcome import WebhookStatus
 from ..providers.sandbox import SandboxServer
+from ..storage._reads import timeline_order
 from ..storage._store import Store
 from ..storage._tables import events, operations
 
@@ -82,7 +83,8 @@ def attention_reasons(conn: sa.Connection, tenant: str) -> Counter[str]:
         newest_first = conn.execute(
             sa.select(events.c.operation_id, events.c.kind, events.c.detail)
             .where(events.c.tenant_id == tenant, events.c.operation_id.in_(list(flagged)))
-            .order_by(events.c.id.desc())
+            # Newest as written (database time), not by id: ids come from host clocks.
+            .order_by(*timeline_order(conn.dialect.name, newest_first=True))
         )
         for op_id, kind, detail in newest_first:
             if op_id not in reasons:

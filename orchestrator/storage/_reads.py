@@ -4,7 +4,7 @@ database clock. A mixin of :class:`~payorch.storage._store.Store`."""
 from __future__ import annotations
 
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -18,7 +18,33 @@ from ._tables import db_now, events, operations
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
 
-__all__ = ["Reads"]
+__all__ = ["Reads", "timeline_order"]
+
+
+def timeline_order(dialect: str, *, newest_first: bool = False) -> list[sa.ColumnElement[Any]]:
+    """How an operation's events sort in the order they were written.
+
+    Not by event id: a UUIDv7 is made from the writing host's clock, so two hosts whose
+    clocks disagree by minutes interleave their events out of order. ``created_at`` is the
+    database's time of the write (``db_now()`` in every insert), and writes that move an
+    operation are serialised by its row (a fenced write waits for the previous one to
+    commit before it reads the clock). Ties are broken without a host clock: on SQLite, one
+    writer at a time and a millisecond clock, by ``rowid`` (allocation order, which is write
+    order); on PostgreSQL, whose ``clock_timestamp()`` has microseconds and gives each
+    statement its own reading, by the operation's ``version`` the event was written at
+    (events that move nothing carry none: last), and only then by id, which can decide
+    only between concurrent writes that nothing ordered.
+    """
+    c = events.c
+    if dialect == "sqlite":
+        keys: list[sa.ColumnElement[Any]] = [
+            c.created_at,
+            sa.literal_column(f"{events.name}.rowid"),
+        ]
+        return [k.desc() for k in keys] if newest_first else keys
+    if newest_first:
+        return [c.created_at.desc(), c.version.desc().nulls_first(), c.id.desc()]
+    return [c.created_at, c.version.nulls_last(), c.id]
 
 
 class Reads:
@@ -75,11 +101,15 @@ class Reads:
         return self._one(t.tenant_id == tenant_id, t.provider == provider, t.downstream_key == key)
 
     def events(self, tenant_id: str, operation_id: str) -> list[EventRecord]:
+        """The operation's timeline, in the order its events were written (see
+        :func:`timeline_order`), whatever the writing hosts' clocks said."""
+        order = timeline_order(self.engine.dialect.name)
+
         def read(conn: Connection) -> list[EventRecord]:
             rows = conn.execute(
                 sa.select(events)
                 .where(events.c.tenant_id == tenant_id, events.c.operation_id == operation_id)
-                .order_by(events.c.id)
+                .order_by(*order)
             ).mappings()
             return [EventRecord.from_row(r) for r in rows]
 

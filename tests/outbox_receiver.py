@@ -52,6 +52,7 @@ class Receiver:
         self.lock = threading.Lock()
         self.requests = 0  # every request, refused ones too
         self.refused = 0  # bad signatures
+        self.timestamps: list[str] = []  # every request's webhook-timestamp, refused too
         self.received: list[str] = []  # every verified delivery's webhook-id, duplicates too
         self.applied: dict[str, Any] = {}  # webhook-id -> its data, applied once
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -75,6 +76,8 @@ class Receiver:
                     receiver.requests += 1
                 receiver.hold.wait(timeout=30)
                 headers = {k.lower(): v for k, v in self.headers.items()}
+                with receiver.lock:
+                    receiver.timestamps.append(headers.get("webhook-timestamp", ""))
                 try:
                     receiver.verifier.verify(body, headers)
                 except WebhookVerificationError:

@@ -11,6 +11,7 @@ aggregate's messages reach a sink in the order they were staged.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -33,7 +34,7 @@ from ..storage._tables import (
     is_pending,
     outbox,
 )
-from ._sinks import OutboxMessage
+from ._sinks import LeaseClock, OutboxMessage
 
 __all__ = [
     "RETRY_EVENT",
@@ -151,7 +152,9 @@ def lease_due(
             last_error=sa.case((spent, sa.bindparam("spent_error")), else_=_o.last_error),
             updated_at=db_now(),
         )
-        .returning(*outbox.c)
+        # The database's time with the lease: what the sinks stamp (LeaseClock), so a relay
+        # whose host clock is off still signs with a time its receivers accept.
+        .returning(*outbox.c, db_now().label("_now"))
     )
     params = {
         "lease_s": lease_s,
@@ -162,7 +165,9 @@ def lease_due(
 
     def txn(conn: Connection) -> tuple[list[OutboxMessage], int]:
         rows = conn.execute(stmt, params).mappings().all()
-        leased = [_message(row) for row in rows if row["state"] == "pending"]
+        # Read once per batch, beside the local monotonic clock at (about) the same moment.
+        clock = LeaseClock(rows[0]["_now"], time.monotonic()) if rows else None
+        leased = [_message(row, clock) for row in rows if row["state"] == "pending"]
         return leased, len(rows) - len(leased)
 
     leased, dead = run_in_transaction(engine, txn)
@@ -191,7 +196,7 @@ def release(engine: Engine, message: OutboxMessage, *, owner: str) -> bool:
     return bool(run_in_transaction(engine, lambda conn: conn.execute(stmt).rowcount))
 
 
-def _message(row: Mapping[Any, Any]) -> OutboxMessage:
+def _message(row: Mapping[Any, Any], clock: LeaseClock | None = None) -> OutboxMessage:
     payload = row["payload"]
     return OutboxMessage(
         tenant_id=row["tenant_id"],
@@ -204,6 +209,7 @@ def _message(row: Mapping[Any, Any]) -> OutboxMessage:
         attempt=row["attempts"],
         operation_id=row["operation_id"],
         created_at=row["created_at"],
+        clock=clock,
     )
 
 

@@ -4,7 +4,9 @@
 spec's recommended shape, ``{"type", "timestamp", "data"}``, where ``timestamp`` is when the
 message was staged (ISO 8601, UTC): the same bytes on every attempt. The headers are
 ``webhook-id`` (the message id, the same on every attempt: what a receiver dedupes on),
-``webhook-timestamp`` (this attempt, Unix seconds) and ``webhook-signature``
+``webhook-timestamp`` (this attempt, Unix seconds, by the database's clock carried
+forward from the relay's lease, :meth:`~payorch.outbox.OutboxMessage.now`, never the
+relay host's wall clock) and ``webhook-signature``
 (``v1,<base64 HMAC-SHA256 of "id.timestamp.body">``, made by the ``standardwebhooks``
 package). A 2xx is delivered; anything else, a transport error or the deadline is
 :class:`~payorch.errors.DeliveryFailed` with a short reason (``http_410``,
@@ -219,7 +221,7 @@ class WebhookSink:
             body = webhook_body(message)
         except (TypeError, ValueError) as exc:
             raise DeliveryFailed(f"payload has no JSON form: {exc}") from exc
-        request = self._request(endpoint, message.id, body)
+        request = self._request(endpoint, message.id, body, message.now())
         try:
             response = send_with_deadline(
                 self._clients.sync, request, deadline=time.monotonic() + self.deadline
@@ -237,10 +239,14 @@ class WebhookSink:
         """Close the HTTP client if it was built here."""
         self._clients.close()
 
-    def _request(self, endpoint: WebhookEndpoint, message_id: str, body: bytes) -> httpx.Request:
-        # Whole seconds: the header is integer Unix time, and the signature must cover the
-        # same value the header carries.
-        now = datetime.fromtimestamp(int(time.time()), tz=UTC)
+    def _request(
+        self, endpoint: WebhookEndpoint, message_id: str, body: bytes, moment: datetime
+    ) -> httpx.Request:
+        # ``moment``: the database's time, from the relay's lease (OutboxMessage.now), not
+        # this host's clock, which receivers (five minutes' tolerance) would refuse if it ran
+        # fast or slow. Whole seconds: the header is integer Unix time, and the signature
+        # must cover the same value the header carries.
+        now = datetime.fromtimestamp(int(moment.timestamp()), tz=UTC)
         headers = {
             "content-type": "application/json",
             "user-agent": self._user_agent,

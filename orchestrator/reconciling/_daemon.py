@@ -19,7 +19,8 @@ With a monitoring address the daemon also serves, on a small threaded HTTP serve
 as a read-write primary, a pass finished within ``3 x interval`` and, if the store requires
 a synchronous standby, one streams; else 503 with the reason on one line). Either way the
 body names the replication mode (:mod:`payorch.storage._replication`). At start-up the daemon logs
-that mode (WARNING unless synchronous) and, in strict mode, refuses to start without it.
+that mode and what it means (WARNING when it puts commits at risk) and, in strict mode,
+refuses to start without a synchronous standby.
 
 Before all of that it checks the schema (``Store.check_schema()``): a database without
 payorch's tables, or at an older revision, refuses the start with

@@ -23,8 +23,11 @@ between that check and the claim's commit makes the commit wait for it (or, if t
 manager drops the standby from the list meanwhile, commit unreplicated): Patroni's
 ``synchronous_mode_strict`` closes that last gap on the server's side.
 
-:func:`report` logs the mode once at start-up (``payorch.db``, event ``database.replication``):
-INFO when synchronous, WARNING otherwise.
+:func:`report` logs the mode once at start-up (``payorch.db``, event ``database.replication``)
+with what it means for payorch (``meaning``): INFO when nothing is at risk (``sync``,
+``none``: no standby to fail over to, ``local``), WARNING when it is (``async``: a failover
+may lose the newest commits; ``sync_blocked``: writes hang; ``unknown``: the standbys are
+hidden from the role).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from ._sessions import refuse_autocommit
 
 __all__ = [
     "ENV_STRICT",
+    "MEANINGS",
     "MODES",
     "Guard",
     "Status",
@@ -181,9 +185,33 @@ def read_status(engine: Engine) -> Status:
     return Status.from_row(run_sql(engine, STATUS_SQL, {}, write=False))
 
 
+# What each mode means for payorch's promise, said in the start-up line itself: a bare
+# "mode=none" at WARNING in every process's log told operators nothing.
+MEANINGS = {
+    "sync": "every commit is on a synchronous standby before it is acknowledged: a failover "
+    "loses no commit",
+    "sync_blocked": "commits wait for a synchronous standby that is not streaming: writes hang "
+    "until one is back",
+    "async": "standbys stream but no commit waits for one: a failover may lose the newest "
+    "commits (a claim, an outcome); a client's retry then sends the same downstream key "
+    "(derived from the namespace), which keeps the provider from charging twice within its "
+    "idempotency window, and the reconciler settles what is left unknown from the provider",
+    "none": "no standby is configured or streaming: no failover can lose a commit (durability "
+    "is this server's alone)",
+    "unknown": "commits wait for standbys this role cannot see (GRANT pg_monitor TO it): "
+    "whether a synchronous one streams is not known",
+    "read_only": "a standby or a read-only session: payorch writes to the primary",
+    "local": "SQLite: one file, no replication",
+}
+# Modes that put something at risk (lost commits, hung writes, or a risk payorch cannot see).
+_AT_RISK = frozenset({"async", "sync_blocked", "unknown", "read_only"})
+
+
 def report(status: Status, *, strict: bool = False) -> None:
-    """The start-up line: INFO when synchronous (or SQLite), WARNING otherwise."""
-    level = logging.INFO if status.synchronous or status.mode == "local" else logging.WARNING
+    """The start-up line, with what the mode means: WARNING when it puts something at risk
+    (or a store that requires a synchronous standby has none), INFO otherwise."""
+    risky = status.mode in _AT_RISK or (strict and not status.synchronous)
+    level = logging.WARNING if risky else logging.INFO
     lc = status.lc_messages
     english = lc is None or lc in ("", "C", "POSIX") or lc.lower().startswith("en")
     logs.emit(
@@ -191,6 +219,7 @@ def report(status: Status, *, strict: bool = False) -> None:
         level,
         "database.replication",
         mode=status.mode,
+        meaning=MEANINGS.get(status.mode),
         synchronous_standby_names=status.synchronous_standby_names,
         synchronous_commit=status.synchronous_commit,
         sync_standbys=status.sync_standbys_streaming,

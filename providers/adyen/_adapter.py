@@ -209,9 +209,10 @@ class AdyenProvider(ClosesClients):
         return await self._asend(*prepared)
 
     def parse_webhooks(self, headers: Mapping[str, str], body: bytes) -> WebhookBatch:
-        """Every item of a notification delivery, each verified on its own; answer
-        ``[accepted]`` once taken. Raises WebhookMalformed for a body that is not one."""
-        return parse_notifications(body, self._require_hmac_key())
+        """Every item of a notification delivery, each verified on its own and refused unless
+        it is for this adapter's merchant account; answer ``[accepted]`` once taken. Raises
+        WebhookMalformed for a body that is not one."""
+        return parse_notifications(body, self._require_hmac_key(), self._merchant_account)
 
     def parse_webhook(self, headers: Mapping[str, str], body: bytes) -> WebhookEvent:
         """The first item of a delivery as one event; its rejection is raised."""

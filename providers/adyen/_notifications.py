@@ -6,7 +6,9 @@ Base64 of HMAC-SHA256, keyed with the hex-decoded HMAC key, over the eight field
 ``pspReference:originalReference:merchantAccountCode:merchantReference:value:currency:
 eventCode:success`` joined by ``:`` (a missing field is an empty string, nothing escaped).
 Every item is verified, in constant time; one that fails is a rejected item, not a
-rejected delivery. The answer Adyen expects once every item was taken is ``[accepted]``.
+rejected delivery. So is a verified item whose ``merchantAccountCode`` is not the adapter's
+merchant account (another account's, under a webhook set up at company level). The answer
+Adyen expects once every item was taken is ``[accepted]``.
 
 Items become :class:`WebhookEvent` s for the operation they settle:
 
@@ -38,13 +40,19 @@ from typing import Any
 
 from ...core import downstream_key as namespace_downstream_key
 from ...core import is_namespace_key, operation_id_from_downstream_key
-from ...errors import ConfigurationError, WebhookMalformed, WebhookSignatureInvalid
+from ...errors import (
+    ConfigurationError,
+    WebhookMalformed,
+    WebhookRejected,
+    WebhookSignatureInvalid,
+)
 from ...provider import TAG_LEGACY_OPERATION_ID, AnswerKind, WebhookBatch, WebhookEvent, WebhookItem
 
 __all__ = [
     "ACKNOWLEDGEMENT",
     "SIGNED_FIELDS",
     "VOIDED",
+    "check_merchant_account",
     "decode_hmac_key",
     "item_event",
     "parse_notifications",
@@ -254,8 +262,24 @@ def _items(body: bytes) -> list[Mapping[str, Any]]:
     return items
 
 
-def parse_notifications(body: bytes, key: bytes) -> WebhookBatch:
-    """Every item of an Adyen delivery, each verified on its own (see the module docstring).
+def check_merchant_account(item: Mapping[str, Any], merchant_account: str) -> None:
+    """Raise WebhookRejected unless ``item`` is for ``merchant_account``: a webhook set up at
+    company level (or pointed at the wrong endpoint) delivers other accounts' items, signed
+    with the same key, whose references this adapter never made."""
+    code = item.get("merchantAccountCode")
+    if code != merchant_account:
+        shown = repr(code[:80]) if isinstance(code, str) else "none"
+        raise WebhookRejected(
+            f"the notification item is for merchant account {shown}, not this adapter's "
+            f"{merchant_account!r}"
+        )
+
+
+def parse_notifications(
+    body: bytes, key: bytes, merchant_account: str | None = None
+) -> WebhookBatch:
+    """Every item of an Adyen delivery, each verified on its own (see the module docstring),
+    and, given ``merchant_account``, refused unless it is that account's.
 
     Raises WebhookMalformed for a body that is not Adyen's notification shape.
     """
@@ -263,7 +287,9 @@ def parse_notifications(body: bytes, key: bytes) -> WebhookBatch:
     for index, item in enumerate(_items(body)):
         try:
             verify_item(item, key)
+            if merchant_account is not None:
+                check_merchant_account(item, merchant_account)
             out.append(WebhookItem(index=index, event=item_event(item)))
-        except (WebhookSignatureInvalid, WebhookMalformed) as exc:
+        except WebhookRejected as exc:  # a bad signature, another account, a bad field
             out.append(WebhookItem(index=index, rejected=exc))
     return WebhookBatch(items=tuple(out), acknowledgement=ACKNOWLEDGEMENT)

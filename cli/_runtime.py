@@ -269,7 +269,7 @@ def build_providers(config: ProviderSettings | None = None) -> list[Provider]:
     sandbox always, and Stripe and Adyen when their API keys are configured."""
     config = config or provider_settings()
     if config.providers:
-        from ..adapters import load_providers
+        from ._adapters import load_providers
 
         return load_providers(config.providers, "PAYORCH_PROVIDERS")
     from ..providers.sandbox import SandboxProvider

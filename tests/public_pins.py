@@ -211,6 +211,7 @@ PUBLIC: dict[str, list[str]] = {
         "settled",
     ],
     "payorch.provider": [
+        "DECIDING_HEADERS",
         "DEFAULT_CAPABILITIES",
         "RAW_EVIDENCE_LIMIT",
         "STATUS_CAPABILITIES",
@@ -231,6 +232,7 @@ PUBLIC: dict[str, list[str]] = {
         "EffectLister",
         "Provider",
         "ProviderEffect",
+        "Resender",
         "StatusQuery",
         "SubmitRequest",
         "VoidRequest",
@@ -238,6 +240,7 @@ PUBLIC: dict[str, list[str]] = {
         "WebhookBatch",
         "WebhookEvent",
         "WebhookItem",
+        "WireRequest",
         "answer_from_http_status",
         "answer_from_transport_error",
         "asend_with_deadline",
@@ -276,6 +279,15 @@ PUBLIC: dict[str, list[str]] = {
         "AdyenProvider",
         "sign_item",
         "signing_string",
+    ],
+    "payorch.providers.sandbox.emulator": ["SandboxEmulator", "running"],
+    "payorch.providers.stripe.emulator": ["API_KEY", "WEBHOOK_SECRET", "Gate", "StripeEmulator"],
+    "payorch.providers.adyen.emulator": [
+        "API_KEY",
+        "HMAC_KEY",
+        "MERCHANT",
+        "AdyenEmulator",
+        "Gate",
     ],
     "payorch.testing": [
         "AdapterContract",
@@ -361,6 +373,6 @@ PUBLIC: dict[str, list[str]] = {
         "Undecodable",
         "json_ready",
     ],
-    "payorch.settings": ["Settings"],
+    "payorch.settings": ["ProviderSettings", "Settings"],
     "payorch.tracing": ["enabled", "inject", "use_tracer_provider"],
 }

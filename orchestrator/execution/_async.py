@@ -32,17 +32,18 @@ from ..provider import (
     AsyncProvider,
     AsyncVoider,
     Capability,
+    Resender,
     StatusQuery,
     SubmitRequest,
     VoidRequest,
     WebhookBatch,
     WebhookEvent,
+    WireRequest,
     capabilities_of,
     parse_deliveries,
 )
 from ..storage._async_store import AsyncStore
 from ..storage._bridge import run_bridged, wait_for
-from ..wire import Resender, WireRequest
 from ._executor import Executor, RetryPolicy
 
 __all__ = ["AsyncExecutor", "bridged_providers"]
@@ -118,7 +119,7 @@ class AsyncExecutor:
         store: AsyncStore,
         providers: Iterable[AsyncProvider],
         registry: Registry | None = None,
-        lease: timedelta = timedelta(seconds=60),
+        lease: timedelta | None = None,
         retry: RetryPolicy | None = None,
         owner: str | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,

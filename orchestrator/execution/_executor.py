@@ -8,6 +8,7 @@ that leaves an operation the reconciler can finish from evidence.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import random
 import socket
@@ -37,11 +38,10 @@ from ..observing import _metrics as metrics
 from ..observing import _tracing as tracing
 from ..operations import Prepared, Registry, default_registry
 from ..outcome import Outcome, decide, late_conflict
-from ..provider import Answer, AnswerKind, Provider, SubmitRequest
+from ..provider import Answer, AnswerKind, Provider, Resender, SubmitRequest, WireRequest
 from ..records import OperationRecord, Redactor
 from ..storage._bridge import bridged, pause
 from ..storage._store import Store
-from ..wire import Resender, WireRequest
 from ._flights import Flight, Flights
 
 __all__ = [
@@ -84,8 +84,21 @@ class RetryPolicy:
             raise ConfigurationError("retry policy: need max_attempts >= 1, 0 <= base <= max")
 
 
+_DEFAULT_LEASE = timedelta(seconds=60)
+
+
+def _whole_seconds(span: timedelta) -> timedelta:
+    return timedelta(seconds=math.ceil(span.total_seconds()))
+
+
 class Executor:
-    """Runs payment operations through their provider, exactly once per namespace."""
+    """Runs payment operations through their provider, exactly once per namespace.
+
+    ``lease`` (how long a claim is this executor's before the reconciler may take it over)
+    must outlast one ``execute()`` on every adapter, inline retries included: shorter is
+    refused. Left out, it is that worst case (at least 60 s), so any adapter's time-outs
+    fit; a crashed process's operation then waits that long for the reconciler.
+    """
 
     def __init__(
         self,
@@ -93,7 +106,7 @@ class Executor:
         store: Store,
         providers: Iterable[Provider],
         registry: Registry | None = None,
-        lease: timedelta = timedelta(seconds=60),
+        lease: timedelta | None = None,
         retry: RetryPolicy | None = None,
         owner: str | None = None,
         sleep: Callable[[float], None] = time.sleep,
@@ -112,8 +125,13 @@ class Executor:
                 raise ConfigurationError(f"two providers named {p.name!r}")
             self.providers[p.name] = p
         self.registry = registry or default_registry()
-        self.lease = lease
         self.retry = retry or RetryPolicy()
+        if lease is None:
+            # The adapters' worst case: one execute() with every inline retry, on the
+            # slowest of them (whole seconds, at least the former default of 60 s).
+            worst = max((self.lease_needed(p) for p in self.providers.values()), default=None)
+            lease = max(_DEFAULT_LEASE, _whole_seconds(worst) if worst else _DEFAULT_LEASE)
+        self.lease = lease
         self.owner = owner or owner_of_this_process(self, "executor")
         self._sleep = sleep
         self._rand = rand

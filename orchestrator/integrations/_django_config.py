@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from django.core import checks
 from django.core.handlers.asgi import ASGIRequest
 from django.core.signals import setting_changed
 from django.http import HttpRequest
+from django.urls import URLPattern, URLResolver, get_resolver
 from django.utils.module_loading import import_string
 
 from ..errors import ConfigurationError, InvalidTenant, PayorchError, SchemaNotReady
@@ -36,6 +38,7 @@ from ..settings import Settings
 from ..storage._async_store import AsyncStore
 from ..storage._outbox import OutboxHooks, load_hooks
 from ..storage._store import Store
+from ._common import missing_webhook_secret
 
 __all__ = [
     "PayorchAppConfig",
@@ -54,6 +57,7 @@ __all__ = [
     "store",
     "tenant_resolver",
     "webhook_handler",
+    "webhook_secrets_check",
 ]
 
 Tenant = Callable[[HttpRequest], "str | None"]
@@ -137,7 +141,7 @@ class PayorchConfig:
     providers: Callable[[], list[Provider]]
     registry: Callable[[list[Provider]], Registry]
     tenant: Tenant
-    lease: timedelta
+    lease: timedelta | None  # None: the adapters' worst case (Executor's default)
     operation_url: str | None  # the URL name a 201/202's Location reverses
     outbox_hooks: OutboxHooks | None = None  # what settling an operation stages
 
@@ -149,15 +153,15 @@ class PayorchConfig:
         unknown = set(raw) - _KEYS
         if unknown:
             raise ConfigurationError(f"settings.PAYORCH: unknown keys {sorted(unknown)}")
-        lease = float(raw.get("LEASE_SECONDS", 60.0))
-        if not lease > 0:
+        lease = raw.get("LEASE_SECONDS")
+        if lease is not None and not float(lease) > 0:
             raise ConfigurationError("settings.PAYORCH['LEASE_SECONDS'] must be positive")
         return cls(
             database_url=str(raw.get("DATABASE_URL") or Settings().database_url),
             providers=functools.partial(_providers, raw["PROVIDERS"]),
             registry=functools.partial(_registry, raw.get("REGISTRY")),
             tenant=tenant_resolver(raw.get("TENANT", "header:X-Tenant-Id")),
-            lease=timedelta(seconds=lease),
+            lease=timedelta(seconds=float(lease)) if lease is not None else None,
             operation_url=raw.get("OPERATION_URL", "payorch-operation"),
             outbox_hooks=_hooks(raw.get("OUTBOX_HOOKS") or Settings().outbox_hooks),
         )
@@ -437,9 +441,54 @@ def schema_check(
     return []
 
 
+_WEBHOOK_URL = "payorch-webhook"  # the name urls() gives its webhook route
+_WEBHOOK_VIEWS = ("webhook_view", "async_webhook_view")
+
+
+def _patterns(patterns: Iterable[Any]) -> Iterable[URLPattern]:
+    for pattern in patterns:
+        if isinstance(pattern, URLResolver):
+            yield from _patterns(pattern.url_patterns)
+        elif isinstance(pattern, URLPattern):
+            yield pattern
+
+
+def _serves_webhooks() -> bool:
+    """Whether the project's URLconf routes to payorch's webhook views (``urls()`` or
+    ``webhook_view`` / ``async_webhook_view`` mounted by hand)."""
+    if not getattr(django_settings, "ROOT_URLCONF", None):
+        return False
+    # Looked up, not imported: payorch.integrations.django imports this module, and a
+    # URLconf that routes to its views has imported it already.
+    views = sys.modules.get("payorch.integrations.django")
+    ours = [getattr(views, name, None) for name in _WEBHOOK_VIEWS]
+    return any(
+        pattern.name == _WEBHOOK_URL or any(pattern.callback is view for view in ours if view)
+        for pattern in _patterns(get_resolver().url_patterns)
+    )
+
+
+def webhook_secrets_check(app_configs: Any = None, **_: Any) -> list[checks.CheckMessage]:
+    """``payorch.E003`` for each adapter of ``settings.PAYORCH`` built without its webhook
+    secret while the URLconf serves payorch's webhook views: every delivery to it would fail
+    verification, answered 500 and re-sent by the provider for days. Tagged ``urls``: it
+    runs with ``runserver``, ``check`` and ``migrate``, and connects to nothing."""
+    if not _serves_webhooks():
+        return []
+    try:
+        providers = _runtime.settings()[1]
+    except PayorchError as exc:
+        hint = "fix settings.PAYORCH, then run the check again"
+        return [checks.Error(exc.message, hint=hint, id="payorch.E002")]
+    instead = "take payorch's webhook views out of the URLconf"
+    refusals = (missing_webhook_secret(adapter, instead) for adapter in providers)
+    return [checks.Error(r, id="payorch.E003") for r in refusals if r is not None]
+
+
 class PayorchAppConfig(AppConfig):  # type: ignore[misc]  # django ships no type hints
     """``INSTALLED_APPS += ["payorch.integrations.django.PayorchAppConfig"]``: registers
-    :func:`schema_check`. payorch keeps its own tables: the app has no models."""
+    :func:`schema_check` and :func:`webhook_secrets_check`. payorch keeps its own tables: the
+    app has no models."""
 
     name = "payorch.integrations.django"
     label = "payorch"
@@ -447,3 +496,4 @@ class PayorchAppConfig(AppConfig):  # type: ignore[misc]  # django ships no type
 
     def ready(self) -> None:
         checks.register(schema_check, checks.Tags.database)
+        checks.register(webhook_secrets_check, checks.Tags.urls)

@@ -57,6 +57,7 @@ from ._common import (
     known_tenant,
     not_allowed,
     operation_answer,
+    require_webhook_secrets,
     set_up,
     too_large,
 )
@@ -143,8 +144,9 @@ class PayorchMiddleware:
     the path is exact (the scope's ``path`` without its ``root_path``). ``url`` (default
     ``PAYORCH_DATABASE_URL``) or an ``AsyncStore`` of the app's own (then it stays open after
     shutdown). The adapters must have the async API; the shutdown closes their clients.
-    ``webhooks`` and ``operations`` are the two prefixes payorch owns. Configuration errors
-    (a lease shorter than a provider call) surface here, at import.
+    ``webhooks`` and ``operations`` are the two prefixes payorch owns (``webhooks=None``: no
+    webhook route). Configuration errors (a lease shorter than a provider call, a webhook
+    route for an adapter built without its webhook secret) surface here, at import.
     """
 
     def __init__(
@@ -157,15 +159,15 @@ class PayorchMiddleware:
         store: AsyncStore | None = None,
         registry: Registry | None = None,
         tenant: TenantResolver | None = None,
-        lease: timedelta = timedelta(seconds=60),
+        lease: timedelta | None = None,
         retry: RetryPolicy | None = None,
         max_body: int = DEFAULT_MAX_BODY,
         outbox_hooks: OutboxHooks | None = None,
-        webhooks: str = "/webhooks",
+        webhooks: str | None = "/webhooks",
         operations: str = "/operations",
     ) -> None:
         for prefix in (webhooks, operations):
-            if not prefix.startswith("/") or prefix.endswith("/"):
+            if prefix is not None and (not prefix.startswith("/") or prefix.endswith("/")):
                 raise ConfigurationError(f"a prefix starts with '/' and ends without: {prefix!r}")
         self.app = app
         self.routes = {
@@ -182,6 +184,8 @@ class PayorchMiddleware:
             max_body=max_body,
             outbox_hooks=outbox_hooks,
         )
+        if webhooks is not None:
+            require_webhook_secrets(self.providers, "PayorchMiddleware(..., webhooks=None)")
         self.executor = AsyncExecutor(
             store=self.store, providers=self.providers, registry=registry, lease=lease, retry=retry
         )
@@ -287,7 +291,7 @@ class PayorchMiddleware:
         if route is not None:
             await self._run(route, scope, receive, send)
             return True
-        parts = _under(path, self.webhook_prefix)
+        parts = None if self.webhook_prefix is None else _under(path, self.webhook_prefix)
         if parts is not None and len(parts) == 2:
             if method not in _WEBHOOK_METHODS:
                 await _send_answer(send, not_allowed(method, _WEBHOOK_METHODS))

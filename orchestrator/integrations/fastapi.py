@@ -52,7 +52,7 @@ from ..provider import AsyncProvider
 from ..reconciling._async import AsyncWebhookHandler
 from ..storage._async_store import AsyncStore
 from ..storage._outbox import OutboxHooks
-from ._common import set_up
+from ._common import require_webhook_secrets, set_up
 from ._fastapi_tenants import TenantResolver, header_tenant, path_tenant, principal_tenant
 
 __all__ = [
@@ -212,7 +212,7 @@ class Payorch:
         store: AsyncStore | None = None,
         registry: Registry | None = None,
         tenant: TenantResolver | None = None,
-        lease: timedelta = timedelta(seconds=60),
+        lease: timedelta | None = None,
         retry: RetryPolicy | None = None,
         max_body: int = DEFAULT_MAX_BODY,
         outbox_hooks: OutboxHooks | None = None,
@@ -345,7 +345,9 @@ class Payorch:
 
     def webhook_router(self, prefix: str = "/webhooks") -> APIRouter:
         """``POST {prefix}/{tenant}/{provider}``: the URL configured at the provider, one per
-        tenant; the provider's signature vouches for it (no principal sends webhooks)."""
+        tenant; the provider's signature vouches for it (no principal sends webhooks).
+        Refuses (``ConfigurationError``) an adapter built without its webhook secret."""
+        require_webhook_secrets(self.providers, "router(webhooks=None), or operations_router()")
         router = APIRouter(prefix=prefix, tags=["payorch"])
 
         @router.post("/{tenant}/{provider}", name=WEBHOOK_ROUTE, response_class=Response)
@@ -378,10 +380,14 @@ class Payorch:
 
         return router
 
-    def router(self, *, webhooks: str = "/webhooks", operations: str = "/operations") -> APIRouter:
-        """Both routers: ``app.include_router(payorch.router())``."""
+    def router(
+        self, *, webhooks: str | None = "/webhooks", operations: str = "/operations"
+    ) -> APIRouter:
+        """Both routers: ``app.include_router(payorch.router())``; ``webhooks=None`` leaves
+        the webhook route out (for adapters that take no webhooks)."""
         router = APIRouter()
-        router.include_router(self.webhook_router(webhooks))
+        if webhooks is not None:
+            router.include_router(self.webhook_router(webhooks))
         router.include_router(self.operations_router(operations))
         return router
 

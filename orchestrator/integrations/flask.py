@@ -62,6 +62,7 @@ from ._common import (
     failure,
     known_tenant,
     operation_answer,
+    require_webhook_secrets,
     set_up,
     too_large,
 )
@@ -220,7 +221,7 @@ class Payorch:
         store: Store | None = None,
         registry: Registry | None = None,
         tenant: TenantResolver | None = None,
-        lease: timedelta = timedelta(seconds=60),
+        lease: timedelta | None = None,
         retry: RetryPolicy | None = None,
         max_body: int = DEFAULT_MAX_BODY,
         outbox_hooks: OutboxHooks | None = None,
@@ -372,17 +373,21 @@ class Payorch:
     # -- the blueprint ---------------------------------------------------------------------
 
     def blueprint(
-        self, *, webhooks: str = "/webhooks", operations: str = "/operations"
+        self, *, webhooks: str | None = "/webhooks", operations: str = "/operations"
     ) -> Blueprint:
         """``POST {webhooks}/<tenant>/<provider>`` (endpoint ``payorch.webhook``: the URL
         configured at the provider, one per tenant; the signature vouches for it) and
         ``GET {operations}/<operation_id>`` (``payorch.operation``: the tenant's own
         operations only, another's is 404; what a 201/202's ``Location`` names). A
-        ``<tenant>`` may be part of ``operations`` (``"/t/<tenant>/operations"``)."""
+        ``<tenant>`` may be part of ``operations`` (``"/t/<tenant>/operations"``).
+        ``webhooks=None`` leaves the webhook route out; with one, an adapter built without
+        its webhook secret is refused (``ConfigurationError``)."""
         bp = Blueprint(BLUEPRINT, __name__)
-        bp.add_url_rule(
-            f"{webhooks}/<tenant>/<provider>", "webhook", self._webhook, methods=["POST"]
-        )
+        if webhooks is not None:
+            require_webhook_secrets(self.providers, "blueprint(webhooks=None)")
+            bp.add_url_rule(
+                f"{webhooks}/<tenant>/<provider>", "webhook", self._webhook, methods=["POST"]
+            )
         bp.add_url_rule(f"{operations}/<operation_id>", "operation", self._operation)
         return bp
 

@@ -52,6 +52,12 @@ def _pool_size(store: Store) -> int | None:
     return int(size()) if callable(size) else None
 
 
+def _check_bound(provider: Provider) -> timedelta:
+    """One check's worst case on ``provider``: three calls (a lookup by metadata, a read by
+    reference, a re-submission) and a second to spare."""
+    return provider.max_call_duration * 3 + timedelta(seconds=1)
+
+
 class Reconciler:
     def __init__(
         self,
@@ -66,7 +72,10 @@ class Reconciler:
     ) -> None:
         self.store = store
         self.providers = {p.name: p for p in providers}
-        self.policy = policy or ReconcilerPolicy()
+        # No policy: one whose lease covers a check on the slowest adapter (at least 60 s).
+        self.policy = policy or ReconcilerPolicy(
+            lease=max([ReconcilerPolicy().lease, *map(_check_bound, self.providers.values())])
+        )
         self.owner = owner or owner_of_this_process(self, "reconciler")
         self.submit_retry = submit_retry or RetryPolicy(max_attempts=1)
         self._rand = rand
@@ -83,13 +92,13 @@ class Reconciler:
         # The longest one check may take: a check whose claimed lease has less than this
         # left when it starts (it queued behind others) renews its lease first.
         self.check_bound = self.policy.lease
-        bounds = [p.max_call_duration * 3 + timedelta(seconds=1) for p in self.providers.values()]
+        bounds = [_check_bound(p) for p in self.providers.values()]
         if bounds:
             self.check_bound = max(bounds)
         for p in self.providers.values():
             # A check may cost three calls: a lookup by metadata, a read by reference, and
             # a re-submission. The lease must cover them all.
-            needed = p.max_call_duration * 3 + timedelta(seconds=1)
+            needed = _check_bound(p)
             if self.policy.lease < needed:
                 raise ConfigurationError(
                     f"reconciler lease {self.policy.lease.total_seconds():g}s cannot cover "

@@ -22,12 +22,11 @@ import sqlalchemy as sa
 from ..core import State
 from ..errors import StaleVersion
 from ..execution._executor import RetryPolicy, submit_and_record
-from ..provider import Provider
+from ..provider import Provider, Resender, WireRequest
 from ..records import OperationRecord, Redactor
 from ..storage._sent import sent_wire
 from ..storage._store import Store
 from ..storage._tables import db_now_plus, operations
-from ..wire import Resender, WireRequest
 from ._policy import ReconcilerPolicy
 from ._voids import VOID_WANTED
 

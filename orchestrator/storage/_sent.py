@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from ..provider import WireRequest
 from ..records import OperationRecord
-from ..wire import WireRequest
 from ._engine import read_in_transaction
 from ._tables import events
 

@@ -24,6 +24,7 @@ from ...clients import ClosesClients, HttpClients
 from ...errors import ConfigurationError, WebhookRejected
 from ...observing import _tracing as tracing
 from ...provider import (
+    DECIDING_HEADERS,
     Answer,
     AnswerKind,
     Capability,
@@ -32,12 +33,12 @@ from ...provider import (
     VoidRequest,
     WebhookBatch,
     WebhookEvent,
+    WireRequest,
     answer_from_transport_error,
     asend_with_deadline,
     call_budget,
     send_with_deadline,
 )
-from ...wire import DECIDING_HEADERS, WireRequest
 from ._classify import Reply, modification_answer, payment_answer
 from ._notifications import decode_hmac_key, parse_notifications
 from ._requests import Call, InvalidPayload, require_supported, submit_call, void_call

@@ -46,6 +46,7 @@ from ...provider import (
     SubmitRequest,
     VoidRequest,
     WebhookEvent,
+    WireRequest,
     answer_from_http_status,
     answer_from_transport_error,
     asend_with_deadline,
@@ -59,7 +60,6 @@ from ...provider import (
     send_with_deadline,
     unix_time,
 )
-from ...wire import WireRequest
 
 __all__ = ["DEFAULT_TIMEOUT", "SandboxProvider"]
 

@@ -30,6 +30,7 @@ from ...clients import ClosesClients, HttpClients
 from ...errors import ConfigurationError
 from ...observing import _tracing as tracing
 from ...provider import (
+    DECIDING_HEADERS,
     Answer,
     Capability,
     ProviderEffect,
@@ -37,12 +38,12 @@ from ...provider import (
     SubmitRequest,
     VoidRequest,
     WebhookEvent,
+    WireRequest,
     answer_from_transport_error,
     asend_with_deadline,
     call_budget,
     send_with_deadline,
 )
-from ...wire import DECIDING_HEADERS, WireRequest
 from ._classify import Reply
 from ._flows import Call, Flow, query_flow, submit_answer, submit_flow
 from ._listing import list_effects

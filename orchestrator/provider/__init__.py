@@ -18,6 +18,20 @@ from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
+from ..clients import (
+    RAW_EVIDENCE_LIMIT,
+    DeadlineExceeded,
+    asend_with_deadline,
+    bounded_raw,
+    call_budget,
+    parse_retry_after,
+    send_with_deadline,
+    unix_time,
+)
+from ..core import downstream_key as derive_downstream_key
+from ..core import is_namespace_key
+from ..errors import WebhookMalformed, WebhookRejected
+from ._answers import Answer, AnswerKind
 from ._effects import (
     TAG_FINGERPRINT,
     TAG_KEY,
@@ -32,22 +46,10 @@ from ._effects import (
     listing_range,
     payorch_tags_of,
 )
-from .clients import (
-    RAW_EVIDENCE_LIMIT,
-    DeadlineExceeded,
-    asend_with_deadline,
-    bounded_raw,
-    call_budget,
-    parse_retry_after,
-    send_with_deadline,
-    unix_time,
-)
-from .core import downstream_key as derive_downstream_key
-from .core import is_namespace_key
-from .errors import WebhookMalformed, WebhookRejected
-from .wire import WireRequest
+from ._wire import DECIDING_HEADERS, WireRequest
 
 __all__ = [
+    "DECIDING_HEADERS",
     "DEFAULT_CAPABILITIES",
     "RAW_EVIDENCE_LIMIT",
     "STATUS_CAPABILITIES",
@@ -68,6 +70,7 @@ __all__ = [
     "EffectLister",
     "Provider",
     "ProviderEffect",
+    "Resender",
     "StatusQuery",
     "SubmitRequest",
     "VoidRequest",
@@ -75,6 +78,7 @@ __all__ = [
     "WebhookBatch",
     "WebhookEvent",
     "WebhookItem",
+    "WireRequest",
     "answer_from_http_status",
     "answer_from_transport_error",
     "asend_with_deadline",
@@ -93,50 +97,6 @@ __all__ = [
     "send_with_deadline",
     "unix_time",
 ]
-
-
-class AnswerKind(enum.StrEnum):
-    SUCCEEDED = "succeeded"
-    DECLINED = "declined"  # final: the provider refused, no money moved
-    PENDING = "pending"  # accepted, not settled yet; ask again later
-    AMBIGUOUS = "ambiguous"  # possibly sent, no usable answer
-    NOT_SENT = "not_sent"  # certainly not sent (connect error, pool time-out, 429)
-    NOT_FOUND = "not_found"  # status query only: the provider knows nothing (yet)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Answer:
-    """One classified provider answer, with the evidence that justifies it."""
-
-    kind: AnswerKind
-    provider_reference: str | None = None
-    status_code: int | None = None
-    retry_after: float | None = None  # seconds; for NOT_SENT and PENDING
-    code: str | None = None  # provider's error / decline code, or the exception name
-    message: str | None = None
-    body: Mapping[str, Any] | None = None  # parsed JSON body, if any
-    raw: str | None = None  # raw body, truncated to RAW_EVIDENCE_LIMIT
-    # Other provider objects the lookup found for the same operation: a duplicate effect.
-    duplicates: tuple[str, ...] = ()
-
-    @property
-    def possibly_sent(self) -> bool:
-        return self.kind is not AnswerKind.NOT_SENT
-
-    def evidence(self) -> dict[str, Any]:
-        """A JSON-able record of this answer for the event log."""
-        out: dict[str, Any] = {"kind": self.kind.value, "possibly_sent": self.possibly_sent}
-        for name in ("provider_reference", "status_code", "retry_after", "code", "message"):
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = value
-        if self.duplicates:
-            out["duplicates"] = list(self.duplicates)
-        if self.body is not None:
-            out["body"] = dict(self.body)
-        elif self.raw is not None:
-            out["raw"] = self.raw
-        return out
 
 
 def provider_tags(
@@ -312,6 +272,21 @@ class Provider(Protocol):
     def parse_webhook(self, headers: Mapping[str, str], body: bytes) -> WebhookEvent:
         """Verify the signature and parse; raise WebhookRejected subclasses on bad input."""
         ...
+
+
+@runtime_checkable
+class Resender(Protocol):
+    """Optional, beside :class:`~payorch.provider.Provider`: an adapter that says what it
+    would send for a submission, and sends exactly that when asked to.
+
+    ``wire_request`` builds without sending; it raises or answers (NOT_SENT / DECLINED) as
+    ``submit`` would for a request it refuses. ``submit`` (and ``asubmit``) of a request
+    whose ``wire`` is set sends that wire request as it is, under the adapter's own
+    credentials, and classifies the answer as for that request; without one, it sends what
+    ``wire_request`` says.
+    """
+
+    def wire_request(self, request: SubmitRequest) -> WireRequest | Answer: ...
 
 
 @runtime_checkable

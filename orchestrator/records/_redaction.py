@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .provider import Answer
+    from ..provider import Answer
 
 __all__ = ["REDACTED", "Redactor"]
 

@@ -5,9 +5,9 @@ is safe only if it is the identical request under the same key: the provider the
 the first outcome. A request rebuilt later from the stored payload is identical only if the
 adapter is configured as it was (an Adyen ``return_url``, a merchant account, a default
 currency): a daemon built from other settings would send another request, which the
-provider refuses or, worse, executes as the first. So an adapter that can
-(:class:`Resender`) says what it would send, before the claim; the claim keeps it with
-the operation (its ``claimed`` event), and a re-send hands it back to the adapter's
+provider refuses or, worse, executes as the first. So an adapter that can (a
+:class:`payorch.provider.Resender`) says what it would send, before the claim; the claim
+keeps it with the operation (its ``claimed`` event), and a re-send hands it back to the adapter's
 ``submit`` (:attr:`SubmitRequest.wire <payorch.provider.SubmitRequest.wire>`), which
 sends it as it is. Credentials and tracing headers are the sender's own; the method, the
 path under the adapter's base URL, the headers that decide the request
@@ -23,14 +23,11 @@ import base64
 import binascii
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any
 
 import httpx
 
-if TYPE_CHECKING:
-    from .provider import Answer, SubmitRequest
-
-__all__ = ["DECIDING_HEADERS", "Resender", "WireRequest"]
+__all__ = ["DECIDING_HEADERS", "WireRequest"]
 
 # Headers that decide what the provider does with a request (the others are credentials,
 # tracing or transport, which the sender supplies afresh).
@@ -118,18 +115,3 @@ class WireRequest:
         else:
             return None
         return cls(method=method, path=path, headers=tuple(pairs), body=body)
-
-
-@runtime_checkable
-class Resender(Protocol):
-    """Optional, beside :class:`~payorch.provider.Provider`: an adapter that says what it
-    would send for a submission, and sends exactly that when asked to.
-
-    ``wire_request`` builds without sending; it raises or answers (NOT_SENT / DECLINED) as
-    ``submit`` would for a request it refuses. ``submit`` (and ``asubmit``) of a request
-    whose ``wire`` is set sends that wire request as it is, under the adapter's own
-    credentials, and classifies the answer as for that request; without one, it sends what
-    ``wire_request`` says.
-    """
-
-    def wire_request(self, request: SubmitRequest) -> WireRequest | Answer: ...

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from .clients import RAW_EVIDENCE_LIMIT
-from .errors import InvalidRequest, ProviderListingFailed
+from ..clients import RAW_EVIDENCE_LIMIT
+from ..errors import InvalidRequest, ProviderListingFailed
 
 if TYPE_CHECKING:
-    from .provider import Answer, AnswerKind
+    from ._answers import Answer, AnswerKind
 
 __all__ = [
     "TAG_FINGERPRINT",

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from .core import State, downstream_key, namespace_ref
-from .errors import CorruptRecord
-from .redaction import REDACTED, Redactor
+from ..core import State, downstream_key, namespace_ref
+from ..errors import CorruptRecord
+from ._redaction import REDACTED, Redactor
 
 if TYPE_CHECKING:
     pass

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import ConfigurationError
-from .provider import Provider
-from .storage._outbox import resolve_path
+from ..errors import ConfigurationError
+from ..provider import Provider
+from ..storage._outbox import resolve_path
 
 __all__ = ["load_providers", "providers_from"]
 

@@ -184,7 +184,7 @@ def test_effects_unexplained_on_a_provider_that_cannot_list_is_one_line(
     class SubmitsOnly:  # an adapter of the embedding app's, without list_effects
         name = "acquirer"
 
-    monkeypatch.setattr("payorch.cli._effects.build_providers", lambda _config: [SubmitsOnly()])
+    monkeypatch.setattr("payorch.cli._effects.build_providers", lambda *_: [SubmitsOnly()])
     result = run(db_url, "effects unexplained --provider acquirer --since 2024-05-01T00:00Z")
     assert result.exit_code == 1
     assert "'acquirer' cannot list its effects" in one_error_line(result)

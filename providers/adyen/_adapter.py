@@ -146,6 +146,11 @@ class AdyenProvider(ClosesClients):
         return IDEMPOTENCY_WINDOW
 
     @property
+    def verifies_webhooks(self) -> bool:
+        """Whether a delivery can be verified: built with its ``hmac_key``."""
+        return self._hmac_key is not None
+
+    @property
     def max_call_duration(self) -> timedelta:
         return self._max_call_duration
 

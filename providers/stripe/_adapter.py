@@ -170,6 +170,11 @@ class StripeProvider(ClosesClients):
         return self._idempotency_window
 
     @property
+    def verifies_webhooks(self) -> bool:
+        """Whether a delivery can be verified: built with its ``webhook_secret``."""
+        return self._webhook_secret is not None
+
+    @property
     def max_call_duration(self) -> timedelta:
         return self._max_call_duration
 

@@ -4,12 +4,14 @@
 reconciler daemon) run the adapters the app runs, built by the app's code with the app's
 configuration (a return URL, a merchant account, a custom adapter): a re-sent request, a
 status query and a void then go out as the app's would. The attribute is a sequence of
-adapters, or a callable (no arguments) returning one.
+adapters, a callable (no arguments) returning one, or the object that holds the app's
+adapters (the FastAPI, Flask or ASGI integration's ``Payorch``/middleware, an ``Executor``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import ModuleType
 from typing import Any
 
 from ..errors import ConfigurationError
@@ -20,9 +22,13 @@ __all__ = ["load_providers", "providers_from"]
 
 
 def providers_from(value: Any, setting: str) -> list[Provider]:
-    """The adapters ``value`` gives (a sequence, or a callable returning one); a
-    ``ConfigurationError`` in one line naming ``setting`` for anything else."""
-    if callable(value) and not isinstance(value, Provider):
+    """The adapters ``value`` gives (a sequence, a callable returning one, or what holds the
+    app's adapters: an integration's ``Payorch``, an ``Executor``); a ``ConfigurationError``
+    in one line naming ``setting`` for anything else."""
+    held = getattr(value, "providers", None)
+    if held is not None and not isinstance(value, Provider | ModuleType):
+        value = list(held.values()) if isinstance(held, Mapping) else held
+    elif callable(value) and not isinstance(value, Provider):
         try:
             value = value()
         except ConfigurationError as exc:

@@ -381,3 +381,47 @@ def test_providers_that_are_not_adapters_are_refused_in_one_line(
         assert result.exit_code == 1, result.output
         line = one_error_line(result)
         assert "PAYORCH_PROVIDERS" in line and said in line, line
+
+
+def test_the_hook_may_name_the_apps_integration(
+    db_url: str,
+    store: Store,
+    sandbox: SandboxServer,
+    sandbox_provider: SandboxProvider,
+    app_dir: Path,
+) -> None:
+    """``PAYORCH_PROVIDERS=shop:payorch``: the Flask extension the app built holds its
+    adapters; the tools run those."""
+    (app_dir / "flaskshop.py").write_text(
+        "import os\n"
+        "from payorch.integrations.flask import Payorch\n"
+        "from payorch.providers.sandbox import SandboxProvider\n"
+        "payorch = Payorch(url=os.environ['SHOP_DB'], providers=[SandboxProvider(\n"
+        "    base_url=os.environ['SHOP_SANDBOX'], webhook_secret=os.environ['SHOP_SECRET'])])\n"
+    )
+    sandbox.inject("error_500_after")
+    outcome = Executor(
+        store=store, providers=[sandbox_provider], retry=RetryPolicy(max_attempts=1)
+    ).execute(
+        tenant_id="shop",
+        operation="payment.create",
+        idempotency_key="flask-1",
+        request={"amount": 900, "currency": "EUR"},
+        provider="sandbox",
+    )
+    assert outcome.state is State.OUTCOME_UNKNOWN
+    make_due(store, outcome.operation_id)
+    env = {
+        "PAYORCH_PROVIDERS": "flaskshop:payorch",
+        "PAYORCH_SANDBOX_URL": "http://127.0.0.1:9",  # not read: the app's adapters are
+        "SHOP_DB": db_url,
+        "SHOP_SANDBOX": sandbox.url,
+        "SHOP_SECRET": sandbox.webhook_secret,
+    }
+    result = run(db_url, "reconcile", "once", "--json", env=env)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["outcomes"] == {"succeeded": 1}
+    record = store.get("shop", outcome.operation_id)
+    assert record.state is State.SUCCEEDED
+    assert len(sandbox.effects_for(record.downstream_key)) == 1
+    sys.modules.pop("flaskshop", None)

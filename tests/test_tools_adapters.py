@@ -121,6 +121,15 @@ def app_env(adyen: AdyenEmulator | None = None, acme: str | None = None) -> dict
     return env
 
 
+def adyen_settings(emulator: AdyenEmulator) -> dict[str, str]:
+    """The environment the tools build Adyen from (which knows no return URL)."""
+    return {
+        "PAYORCH_ADYEN_API_KEY": emulator.api_key,
+        "PAYORCH_ADYEN_MERCHANT_ACCOUNT": emulator.merchant_account,
+        "PAYORCH_ADYEN_BASE_URL": emulator.url,
+    }
+
+
 def unknown_adyen_payment(store: Store, emulator: AdyenEmulator, key: str) -> str:
     """A payment the app sent (with its return URL) whose answer was lost, left for the
     reconciler past the notification grace."""
@@ -204,11 +213,7 @@ def test_a_replay_by_an_adapter_built_from_other_settings_is_the_request_first_s
     return URL: the replay is still the app's request, byte for byte, and settles it."""
     op_id = unknown_adyen_payment(store, adyen_emulator, "adyen-env-1")
     key = store.get("shop", op_id).downstream_key
-    env = {
-        "PAYORCH_ADYEN_API_KEY": adyen_emulator.api_key,
-        "PAYORCH_ADYEN_MERCHANT_ACCOUNT": adyen_emulator.merchant_account,
-        "PAYORCH_ADYEN_BASE_URL": adyen_emulator.url,
-    }
+    env = adyen_settings(adyen_emulator)
     result = run(db_url, "reconcile", "once", "--json", env=env)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["outcomes"] == {"replayed_succeeded": 1}
@@ -234,11 +239,7 @@ def test_an_operation_whose_first_request_was_not_kept_is_never_re_sent(
             .values(detail={"idempotency_key": "adyen-lost-1"})
         )
     sent = len(adyen_emulator.received)
-    env = {
-        "PAYORCH_ADYEN_API_KEY": adyen_emulator.api_key,
-        "PAYORCH_ADYEN_MERCHANT_ACCOUNT": adyen_emulator.merchant_account,
-        "PAYORCH_ADYEN_BASE_URL": adyen_emulator.url,
-    }
+    env = adyen_settings(adyen_emulator)
     result = run(db_url, "reconcile", "once", "--json", env=env)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["outcomes"] == {"escalated": 1}

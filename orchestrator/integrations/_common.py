@@ -2,12 +2,14 @@
 
 The answers themselves are :mod:`payorch.http`'s; this holds the integrations' own
 refusals (401, 405, 413, 500), the operation resource's answer and the logging of failures,
-so that both speak with the same problem types as the FastAPI and Django integrations; and
-the set-up the FastAPI, Flask and ASGI integrations share (:func:`set_up`).
+so that both speak with the same problem types as the FastAPI and Django integrations; the
+set-up the FastAPI, Flask and ASGI integrations share (:func:`set_up`); and the refusal of a
+webhook route for an adapter that cannot verify a delivery (:func:`require_webhook_secrets`).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, ItemsView, Iterable, Iterator, Mapping, ValuesView
 from typing import Any, Protocol, TypeVar
@@ -27,8 +29,10 @@ __all__ = [
     "checked_operation_id",
     "failure",
     "known_tenant",
+    "missing_webhook_secret",
     "not_allowed",
     "operation_answer",
+    "require_webhook_secrets",
     "set_up",
     "too_large",
     "unresolved",
@@ -86,6 +90,42 @@ def set_up(
     if registry is None:
         registry = default_registry(adapters[0].name if len(adapters) == 1 else None)
     return adapters, store, owned, registry
+
+
+# What payorch's adapters call their webhook secret, to name it in the refusal below.
+_SECRET_PARAMETERS = ("webhook_secret", "hmac_key")
+
+
+def missing_webhook_secret(adapter: object, instead: str) -> str | None:
+    """Why a webhook route must not serve ``adapter``, in one line, or None if it may.
+
+    An adapter says whether it can verify a delivery with ``verifies_webhooks`` (False when
+    it was built without its webhook secret); one without the attribute is taken to verify.
+    Served anyway, every delivery would fail verification and be answered 500, which the
+    provider re-sends for days. ``instead`` says how to serve no webhook route."""
+    if getattr(adapter, "verifies_webhooks", True):
+        return None
+    kind = type(adapter).__name__
+    try:
+        accepted = set(inspect.signature(type(adapter)).parameters)
+    except (TypeError, ValueError):  # a constructor inspect cannot read: name no parameter
+        accepted = set()
+    secret = next((f"{kind}({p}=...)" for p in _SECRET_PARAMETERS if p in accepted), None)
+    name = getattr(adapter, "name", kind)
+    return (
+        f"cannot serve webhooks for provider {name!r}: its adapter has no webhook secret, so "
+        f"every delivery would fail verification; build it with one"
+        f"{f' ({secret})' if secret else ''} or serve no webhook route ({instead})"
+    )
+
+
+def require_webhook_secrets(adapters: Iterable[object], instead: str) -> None:
+    """Refuse (:class:`ConfigurationError`) a webhook route for an adapter that cannot verify
+    a delivery: see :func:`missing_webhook_secret`."""
+    for adapter in adapters:
+        refusal = missing_webhook_secret(adapter, instead)
+        if refusal is not None:
+            raise ConfigurationError(refusal)
 
 
 def unresolved() -> HttpAnswer:

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from adyen_emulator import AdyenEmulator
-from sandbox_emulator import SandboxEmulator, running
-from stripe_emulator import StripeEmulator
 
+from payorch.providers.adyen.emulator import AdyenEmulator
+from payorch.providers.sandbox.emulator import SandboxEmulator, running
+from payorch.providers.stripe.emulator import StripeEmulator
 from payorch.testing import AdapterContract
 
 

@@ -19,7 +19,7 @@ from payorch.providers.adyen import AdyenProvider
 from payorch.testing import Emulator, Fault
 
 if TYPE_CHECKING:
-    from adyen_emulator import AdyenEmulator
+    from payorch.providers.adyen.emulator import AdyenEmulator
 
 # The emulator's fixtures (adyen_emulator, adyen_provider); imported here by name only, so
 # that pytest loads the module as a plugin.

@@ -13,13 +13,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from adyen_emulator import AdyenEmulator
 from conftest import age, make_due
 
 from payorch.core import State
 from payorch.execution._executor import Executor, RetryPolicy
 from payorch.http import webhook_answer
 from payorch.providers.adyen import AdyenProvider
+from payorch.providers.adyen.emulator import AdyenEmulator
 from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
 from payorch.reconciling._webhooks import WebhookHandler
 from payorch.storage._store import Store

@@ -44,10 +44,10 @@ import pytest
 import sqlalchemy as sa
 from cli_helpers import claim, to_unknown
 from outbox_apps import hooks
-from stripe_emulator import API_KEY, StripeEmulator
 
 from payorch.core import State
 from payorch.providers.sandbox import SandboxServer
+from payorch.providers.stripe.emulator import API_KEY, StripeEmulator
 from payorch.storage._store import Store
 from payorch.storage._tables import outbox
 

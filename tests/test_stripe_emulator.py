@@ -9,11 +9,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from stripe_emulator import StripeEmulator, stripe_emulator
+from stripe_emulator import stripe_emulator
 
 from payorch.errors import ProviderIdempotencyError, WebhookSignatureInvalid
 from payorch.provider import Answer, AnswerKind, StatusQuery, SubmitRequest, VoidRequest
 from payorch.providers.stripe import StripeProvider
+from payorch.providers.stripe.emulator import StripeEmulator
 from payorch.testing import Emulator, Fault
 from payorch.testing._requests import status_query, submit_request, void_request
 

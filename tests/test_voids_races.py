@@ -9,7 +9,6 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from adyen_emulator import AdyenEmulator
 from conftest import age, effects_of, make_due
 
 from payorch.core import State
@@ -17,6 +16,7 @@ from payorch.errors import InvalidTransition
 from payorch.execution._executor import Executor, RetryPolicy
 from payorch.operator import void
 from payorch.provider import Answer, AnswerKind, Capability, VoidRequest
+from payorch.providers.adyen.emulator import AdyenEmulator
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
 from payorch.reconciling._webhooks import WebhookHandler

@@ -3,7 +3,8 @@
 An emulator is a provider-shaped server on loopback that keeps a ledger of effects (so a
 test counts money movements, not HTTP answers), honours idempotency keys, injects faults on
 demand and signs webhook deliveries the way the provider does. The kit drives an adapter
-against one; the sandbox, Stripe and Adyen emulators in payorch's own tests implement it.
+against one; payorch's own implement it (``payorch.providers.sandbox.emulator``,
+``payorch.providers.stripe.emulator``, ``payorch.providers.adyen.emulator``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Emulator(Protocol):
 
     @property
     def faults(self) -> frozenset[Fault]:
-        """The faults :meth:`inject` can make."""
+        """The faults :meth:`inject` can make; a check needing another fails, naming it."""
         ...
 
     @property

@@ -63,7 +63,7 @@ class AsyncContract(KitBase):
         self, emulator: Emulator, adapter: Provider, fault: Fault
     ) -> None:
         provider = _async(adapter)
-        require_fault(emulator, fault)
+        require_fault(emulator, fault, adapter)
         request = self.payment(emulator)
         key = request.downstream_key
         counted: list[int] = []

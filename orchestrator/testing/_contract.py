@@ -13,6 +13,8 @@ __all__ = ["AdapterContract"]
 class AdapterContract(SubmitContract, WebhookContract, VoidContract, AsyncContract):
     """Subclass it as ``Test…`` and give it an ``emulator`` fixture; pytest collects every
     check. Each asserts what the emulator counted or what the adapter answered, and skips,
-    saying why, only where the adapter's capabilities or the emulator's ``faults`` and
-    ``batches`` say it does not apply.
+    saying why, only where the adapter's declaration (its capabilities, its window) or the
+    emulator's ``batches`` say it does not apply. A check that needs a fault the emulator
+    cannot inject fails, naming the hook to implement: skipped, it would leave the adapter
+    unproven and the run green.
     """

@@ -66,7 +66,7 @@ class SubmitContract(KitBase):
     def test_a_fault_is_classified(
         self, emulator: Emulator, adapter: Provider, fault: Fault
     ) -> None:
-        require_fault(emulator, fault)
+        require_fault(emulator, fault, adapter)
         request = self.payment(emulator)
         key = request.downstream_key
         emulator.inject(fault)

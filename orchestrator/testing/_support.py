@@ -14,11 +14,13 @@ from ._emulator import Emulator, Fault
 from ._requests import submit_request
 
 __all__ = [
+    "HOOKS",
     "NOT_SENT_FAULTS",
     "POSSIBLY_SENT_FAULTS",
     "KitBase",
     "close_adapter",
     "explain",
+    "irrelevant",
     "require_capability",
     "require_fault",
     "run_async",
@@ -46,10 +48,43 @@ def explain(answer: Answer) -> str:
     return " ".join(parts)
 
 
-def require_fault(emulator: Emulator, fault: Fault) -> None:
-    """Skip unless the emulator can inject ``fault``."""
-    if fault not in emulator.faults:
-        pytest.skip(f"the emulator cannot inject {fault.value} (not in its faults)")
+# What each fault hook must do, for a failure naming the one an emulator lacks.
+HOOKS: dict[Fault, str] = {
+    Fault.RATE_LIMITED: "answer the next submission 429, doing nothing",
+    Fault.IN_FLIGHT: (
+        "answer the next submission as the provider does while another request under its "
+        "key is running (a 409), doing nothing"
+    ),
+    Fault.ERROR_BEFORE_COMMIT: "answer the next submission 5xx, doing nothing",
+    Fault.ERROR_AFTER_COMMIT: "make the next submission's effect, then answer 5xx",
+    Fault.DROP_AFTER_COMMIT: (
+        "make the next submission's effect, then close the connection unanswered"
+    ),
+    Fault.DECLINE: "decline the next submission finally: no effect, the key declines again",
+}
+
+
+def irrelevant(adapter: Provider, fault: Fault) -> str | None:
+    """Why ``fault`` says nothing about ``adapter`` (its declaration rules it out), or None."""
+    if fault is Fault.IN_FLIGHT and adapter.idempotency_window is None:
+        return "the adapter's provider honours no idempotency key (idempotency_window None)"
+    return None
+
+
+def require_fault(emulator: Emulator, fault: Fault, adapter: Provider) -> None:
+    """Fail unless the emulator can inject ``fault``, naming the hook to implement; skip
+    only where the adapter's declaration makes the fault irrelevant. A missing hook is a
+    check not run: were it a skip, an adapter never proven against it would pass green."""
+    if fault in emulator.faults:
+        return
+    reason = irrelevant(adapter, fault)
+    if reason is not None:
+        pytest.skip(f"{fault.value} does not apply: {reason}")
+    pytest.fail(
+        f"the emulator lacks the {fault.value} fault hook: list Fault.{fault.name} in its "
+        f"`faults` and make `inject(Fault.{fault.name})` {HOOKS[fault]}",
+        pytrace=False,
+    )
 
 
 def require_capability(adapter: object, *wanted: Capability) -> None:

@@ -23,7 +23,7 @@ from ..reconciling._webhooks import WebhookHandler
 from ..storage._store import Store
 from ._emulator import Delivery, Emulator, Fault
 from ._requests import KIT_TENANT
-from ._support import COMMITTED_FAULTS, KitBase, require_capability
+from ._support import COMMITTED_FAULTS, HOOKS, KitBase, require_capability
 
 __all__ = ["WebhookContract", "throwaway_stack"]
 
@@ -103,10 +103,13 @@ def deliveries_for(emulator: Emulator, keys: Sequence[str]) -> list[Delivery]:
 
 
 def _committed_fault(emulator: Emulator) -> Fault:
+    """A fault that leaves the effect made and the answer lost: what makes an operation
+    unknown for a webhook to settle. Every adapter that declares webhooks needs one."""
     for fault in (Fault.ERROR_AFTER_COMMIT, Fault.DROP_AFTER_COMMIT):
         if fault in emulator.faults:
             return fault
-    pytest.skip(f"the emulator injects none of {sorted(f.value for f in COMMITTED_FAULTS)}")
+    hooks = " or ".join(f"Fault.{f.name} ({HOOKS[f]})" for f in sorted(COMMITTED_FAULTS))
+    pytest.fail(f"the emulator lacks a committed-fault hook: implement {hooks}", pytrace=False)
 
 
 class WebhookContract(KitBase):

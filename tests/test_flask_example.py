@@ -80,3 +80,34 @@ def test_the_example_refuses_an_unmigrated_database_then_serves(
             assert len(stack.effects("shop-1")) == 1 and stack.rows("shop-1") == 1
     finally:
         engine.dispose()
+
+
+def script_run(port: int) -> list[str]:
+    # `python examples/flask_app.py --port …`: the example's own entry point.
+    return [sys.executable, str(EXAMPLE), "--host", "127.0.0.1", "--port", str(port)]
+
+
+def test_run_as_a_script_it_refuses_in_one_line_then_serves(
+    tmp_path: Path, sandbox: SandboxServer
+) -> None:
+    url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    env = served_env(url, sandbox)
+    refused = refused_start(script_run, env=env)
+    assert refused.returncode == 1, refused.stderr
+    # Its entry point is payorch's: the reason and the command to run, not a traceback.
+    [line] = refused.stderr.splitlines()
+    assert line.startswith("payorch cannot start: no payorch tables"), line
+    assert "run `payorch db upgrade`" in line
+
+    upgrade = [str(PAYORCH), "db", "upgrade"]
+    done = subprocess.run(
+        upgrade, env={**os.environ, **env}, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    with (
+        ServerProcess(script_run, env=env) as server,
+        httpx.Client(base_url=server.url, timeout=30.0) as client,
+    ):
+        made = post(client, "shop-1", '"order-1"')
+        assert made.status_code == 201, made.text
+        assert json.loads(made.content)["state"] == "succeeded"

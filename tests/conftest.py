@@ -2,6 +2,12 @@
 
 PostgreSQL comes from ``PAYORCH_TEST_DATABASE_URL`` or a throwaway cluster started here.
 Without one the PostgreSQL tests skip loudly; with ``PAYORCH_REQUIRE_POSTGRES=1`` they fail.
+PgBouncer and redis-server (tests/pgbouncer.py, tests/redis_server.py) skip loudly when their
+binaries are missing, whatever ``PAYORCH_REQUIRE_POSTGRES`` says: one summary line per
+missing server ends the run.
+
+Under pytest-xdist (``make test``) each worker is a session of its own: its own cluster on
+its own port and data directory, its own databases, PgBouncer and redis-server.
 """
 
 from __future__ import annotations
@@ -140,10 +146,55 @@ def store(db_url: str) -> Iterator[Store]:
         s.close()
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _PG_PROBLEM:
+# The servers the tests start their own of: a skip's reason begins with the first words
+# (pgcluster, tests/pgbouncer.py's and tests/redis_server.py's SKIP_PREFIX), then how to get
+# it. The summary reads the reports, not this process's state: under pytest-xdist the skips
+# happen in the workers and only their reports reach the process that writes the summary.
+_SERVERS = {
+    "POSTGRESQL": (
+        "PostgreSQL unavailable",
+        "install the Debian package postgresql (`make test` as root does) or set "
+        "PAYORCH_TEST_DATABASE_URL",
+    ),
+    "PGBOUNCER": (
+        "PgBouncer unavailable",
+        "install the Debian package pgbouncer (`make test` as root does)",
+    ),
+    "REDIS-SERVER": (
+        "redis-server unavailable",
+        "install the Debian package redis-server (`make test` as root does)",
+    ),
+}
+
+
+def _reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple):  # a skip: (path, line, "Skipped: reason")
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> Iterator[None]:
+    """After the run's last line (the counts): one line per server whose tests did not run."""
+    yield
+    terminalreporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if terminalreporter is not None and not hasattr(session.config, "workerinput"):
+        _missing_servers(terminalreporter)
+
+
+def _missing_servers(terminalreporter: pytest.TerminalReporter) -> None:
+    skipped = [_reason(r) for r in terminalreporter.stats.get("skipped", [])]
+    for server, (prefix, remedy) in _SERVERS.items():
+        reasons = [r for r in skipped if r.startswith(prefix)]
+        if reasons:
+            why = reasons[0].removeprefix(prefix).removeprefix(": ")
+            line = f"{server} TESTS DID NOT RUN ({len(reasons)} skipped): {why}; {remedy}"
+            terminalreporter.write_sep("!", line, red=True, bold=True)
+    failed = terminalreporter.stats.get("error", []) + terminalreporter.stats.get("failed", [])
+    if REQUIRE_PG and any("PostgreSQL required" in _reason(r) for r in failed):
         terminalreporter.write_sep(
-            "!", f"POSTGRESQL TESTS DID NOT RUN: {_PG_PROBLEM[0]}", red=True, bold=True
+            "!", "POSTGRESQL TESTS FAILED: PostgreSQL unavailable (see the errors)", red=True
         )
 
 

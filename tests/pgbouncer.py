@@ -7,6 +7,12 @@ with its ini and user list in a temporary directory. As root it runs as the ``po
 Its pools are small and handed out round-robin, so consecutive transactions of one client
 connection land on different server connections: whatever relies on session state (a
 prepared statement, a ``SET``, a LISTEN) breaks here rather than by luck in production.
+
+Without the binary the pooler tests skip, and the run ends with one summary line naming the
+missing server (``make test`` as root installs it with apt-get, as ``.ci/run`` does); even
+with ``PAYORCH_REQUIRE_POSTGRES=1`` a missing binary is that skip. A binary that is there but
+does not start fails with ``PAYORCH_REQUIRE_POSTGRES=1``. Under pytest-xdist every worker
+starts its own, in front of its own cluster.
 """
 
 from __future__ import annotations
@@ -18,25 +24,34 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 from pgcluster import _demote, _free_port
 
-__all__ = ["PgBouncer", "PgBouncerUnavailable"]
+__all__ = ["SKIP_PREFIX", "PgBouncer", "PgBouncerMissing", "PgBouncerUnavailable", "start_or_skip"]
 
 _READY_WITHIN = 30.0  # seconds for the port to accept connections
+REQUIRE = os.environ.get("PAYORCH_REQUIRE_POSTGRES") == "1"
+# The skip reason's first words: conftest.py's run summary counts the skips by it.
+SKIP_PREFIX = "PgBouncer unavailable"
 
 
 class PgBouncerUnavailable(Exception):
     pass
 
 
+class PgBouncerMissing(PgBouncerUnavailable):
+    """No pgbouncer binary on this machine: a skip, never a failure."""
+
+
 def _binary() -> str:
     for found in (shutil.which("pgbouncer"), "/usr/sbin/pgbouncer"):
         if found and os.access(found, os.X_OK):
             return found
-    raise PgBouncerUnavailable("no pgbouncer binary (Debian package `pgbouncer`)")
+    raise PgBouncerMissing("no pgbouncer binary (Debian package `pgbouncer`)")
 
 
 def _quote(value: str) -> str:
@@ -162,3 +177,20 @@ server_login_retry = 1
                 proc.kill()
                 proc.wait(timeout=10)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def start_or_skip(server_url: str) -> Iterator[PgBouncer]:
+    """A started PgBouncer in front of ``server_url`` for a fixture to yield, stopped after;
+    or skip: a missing binary always skips, one that does not start fails when
+    ``PAYORCH_REQUIRE_POSTGRES=1``."""
+    try:
+        bouncer = PgBouncer(server_url)
+        bouncer.start()
+    except PgBouncerUnavailable as exc:
+        if REQUIRE and not isinstance(exc, PgBouncerMissing):
+            pytest.fail(f"PgBouncer (PAYORCH_REQUIRE_POSTGRES=1) did not start: {exc}")
+        pytest.skip(f"{SKIP_PREFIX}: {exc}")
+    try:
+        yield bouncer
+    finally:
+        bouncer.stop()

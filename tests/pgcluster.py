@@ -1,7 +1,9 @@
 """A throwaway PostgreSQL cluster for the test run, started from the installed binaries.
 
 As root, initdb refuses to run; the server then runs as the ``postgres`` (or ``nobody``)
-user. ``fsync=off`` by default: the cluster lives for one test run and is deleted after it.
+user. ``fsync=off`` by default (and initdb without its final sync): the cluster lives for one
+test run and is deleted after it. Each cluster has its own data directory and port, so test
+processes running side by side (pytest-xdist workers, one cluster each) never meet.
 ``Cluster(durable=True)`` keeps the server's default durability (fsync, synchronous_commit and
 full_page_writes untouched), for benchmarks whose commits should cost what they cost.
 """
@@ -19,9 +21,20 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+_BIND_TRIES = 5
+
 
 class ClusterUnavailable(Exception):
     pass
+
+
+def _bind_failed(log: Path) -> bool:
+    """The server's log says its port was taken."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return False
+    return "could not bind" in text or "Address already in use" in text
 
 
 def _bindir() -> Path:
@@ -84,13 +97,25 @@ class Cluster:
             raise ClusterUnavailable(f"{args[0]} failed: {proc.stderr.strip() or proc.stdout}")
 
     def start(self) -> str:
-        self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
-        opts = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c max_connections=300"
-        if not self.durable:
-            opts += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
-        self._run(
-            "pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.root / "log"), "-w", "start"
-        )
+        initdb = ["initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8"]
+        self._run(*initdb, *([] if self.durable else ["--no-sync"]))
+        # A free port is only free when it is probed: another process (a parallel test
+        # worker's cluster or server) may take it before the server binds it. Then the start
+        # fails on the bind, and another port is tried.
+        for attempt in range(_BIND_TRIES):
+            opts = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1"
+            opts += " -c max_connections=300"
+            if not self.durable:
+                opts += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+            log = self.root / f"log.{attempt}" if attempt else self.root / "log"
+            try:
+                self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(log), "-w", "start")
+            except ClusterUnavailable:
+                if not _bind_failed(log) or attempt == _BIND_TRIES - 1:
+                    raise
+                self.port = _free_port()
+                continue
+            break
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
 
     def stop(self) -> None:

@@ -2,8 +2,13 @@
 
 Started from the installed binary (Debian's ``redis-server``), with no persistence
 (``--save ''``, no AOF) and its working directory in a temporary directory, so nothing
-outlives the run. Without the binary the Redis tests skip loudly; with
-``PAYORCH_REQUIRE_POSTGRES=1`` (CI, where every real backend must be there) they fail.
+outlives the run. Without the binary the Redis tests skip, and the run ends with one
+summary line naming the missing server (``make test`` as root installs it with apt-get, as
+``.ci/run`` does); even with ``PAYORCH_REQUIRE_POSTGRES=1`` a missing binary is that skip.
+A binary that is there but does not start fails with ``PAYORCH_REQUIRE_POSTGRES=1``.
+
+Under pytest-xdist every worker starts its own server (a session fixture runs per worker),
+on a port of its own, so a test's ``flushall`` never empties another worker's streams.
 
 Fixtures: ``redis_server`` (one server for the session) and ``redis_url`` (its URL,
 emptied for each test); ``fresh_redis_server`` for a test that stops its own.
@@ -25,6 +30,8 @@ from pathlib import Path
 import pytest
 
 __all__ = [
+    "SKIP_PREFIX",
+    "RedisMissing",
     "RedisServer",
     "RedisUnavailable",
     "fresh_redis_server",
@@ -41,6 +48,14 @@ class RedisUnavailable(Exception):
     pass
 
 
+class RedisMissing(RedisUnavailable):
+    """No redis-server binary on this machine: a skip, never a failure."""
+
+
+# The skip reason's first words: conftest.py's run summary counts the skips by it.
+SKIP_PREFIX = "redis-server unavailable"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -51,7 +66,7 @@ def _binary() -> str:
     for found in (shutil.which("redis-server"), "/usr/bin/redis-server"):
         if found and os.access(found, os.X_OK):
             return found
-    raise RedisUnavailable("no redis-server binary (Debian package `redis-server`)")
+    raise RedisMissing("no redis-server binary (Debian package `redis-server`)")
 
 
 def _ping(port: int) -> bool:
@@ -143,16 +158,15 @@ class RedisServer:
 
 
 def start_or_skip() -> RedisServer:
-    """A started server, or skip (fail when ``PAYORCH_REQUIRE_POSTGRES=1``)."""
+    """A started server, or skip: a missing binary always skips; a server that does not
+    start fails when ``PAYORCH_REQUIRE_POSTGRES=1``."""
     try:
         server = RedisServer()
         server.start()
     except RedisUnavailable as exc:
-        if REQUIRE:
-            pytest.fail(
-                f"redis-server required (PAYORCH_REQUIRE_POSTGRES=1) but unavailable: {exc}"
-            )
-        pytest.skip(f"redis-server unavailable: {exc}")
+        if REQUIRE and not isinstance(exc, RedisMissing):
+            pytest.fail(f"redis-server (PAYORCH_REQUIRE_POSTGRES=1) did not start: {exc}")
+        pytest.skip(f"{SKIP_PREFIX}: {exc}")
     return server
 
 
@@ -168,7 +182,7 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     """The session's server, emptied first: a test's keys and streams never meet another's
-    (the tests run one at a time)."""
+    (the tests of one worker run one at a time, and each worker has its own server)."""
     import redis
 
     url = redis_server.url()

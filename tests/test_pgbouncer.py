@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 import sqlalchemy as sa
-from conftest import REQUIRE_PG, LoopThread, create_pg_database, make_due
-from pgbouncer import PgBouncer, PgBouncerUnavailable
+from conftest import LoopThread, create_pg_database, make_due
+from pgbouncer import PgBouncer, start_or_skip
 from psycopg.conninfo import conninfo_to_dict
 
 from payorch import migrate
@@ -51,17 +51,7 @@ PREPARE_THRESHOLD = 5
 
 @pytest.fixture(scope="session")
 def pgbouncer(pg_server_url: str) -> Iterator[PgBouncer]:
-    try:
-        bouncer = PgBouncer(pg_server_url)
-        bouncer.start()
-    except PgBouncerUnavailable as exc:
-        if REQUIRE_PG:
-            pytest.fail(f"PgBouncer required with PostgreSQL but unavailable: {exc}")
-        pytest.skip(f"PgBouncer unavailable: {exc}")
-    try:
-        yield bouncer
-    finally:
-        bouncer.stop()
+    yield from start_or_skip(pg_server_url)
 
 
 @pytest.fixture

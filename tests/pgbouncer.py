@@ -33,6 +33,7 @@ from pgcluster import _demote, _free_port
 
 __all__ = ["SKIP_PREFIX", "PgBouncer", "PgBouncerMissing", "PgBouncerUnavailable", "start_or_skip"]
 
+_BIND_TRIES = 5
 _READY_WITHIN = 30.0  # seconds for the port to accept connections
 REQUIRE = os.environ.get("PAYORCH_REQUIRE_POSTGRES") == "1"
 # The skip reason's first words: conftest.py's run summary counts the skips by it.
@@ -107,6 +108,20 @@ class PgBouncer:
         return ""
 
     def start(self) -> None:
+        # A free port is only free when it is probed: another process (a parallel test
+        # worker's server) may bind it first. Then the server exits on the bind, and
+        # another port is tried.
+        for attempt in range(_BIND_TRIES):
+            try:
+                self._start_once()
+            except PgBouncerUnavailable as exc:
+                if "already in use" not in str(exc) or attempt == _BIND_TRIES - 1:
+                    raise
+                self.port = _free_port()
+                continue
+            return
+
+    def _start_once(self) -> None:
         user = self.server.username or "postgres"
         # Every database name maps to the same one on the server: tests make their own.
         target = f"host={self.server.host or '127.0.0.1'} port={self.server.port or 5432}"
@@ -139,6 +154,7 @@ server_login_retry = 1
         (self.root / "userlist.txt").write_text(f'{_quote(user)} ""\n')
         for name in ("pgbouncer.ini", "userlist.txt"):
             (self.root / name).chmod(0o644)
+        (self.root / "pgbouncer.log").unlink(missing_ok=True)  # a failed try's
         self._proc = subprocess.Popen(
             [self.binary, str(self.root / "pgbouncer.ini")],
             preexec_fn=self.preexec,
@@ -155,13 +171,15 @@ server_login_retry = 1
             assert self._proc is not None
             if self._proc.poll() is not None:
                 raise PgBouncerUnavailable(f"pgbouncer exited: {self.log.strip()[-2000:]}")
-            with (
-                contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), timeout=1),
-            ):
-                return
-            # The port is the signal; waiting on the process only paces the polling (and
-            # notices an early exit at once).
+            # Its own log line first: a port that accepts may be another process's.
+            if f"listening on 127.0.0.1:{self.port}" in self.log:
+                with (
+                    contextlib.suppress(OSError),
+                    socket.create_connection(("127.0.0.1", self.port), timeout=1),
+                ):
+                    return
+            # The log and the port are the signal; waiting on the process only paces the
+            # polling (and notices an early exit at once).
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=0.05)
         self.stop()

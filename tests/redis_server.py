@@ -40,6 +40,7 @@ __all__ = [
     "start_or_skip",
 ]
 
+_BIND_TRIES = 5
 _READY_WITHIN = 30.0  # seconds for the server to answer PING
 REQUIRE = os.environ.get("PAYORCH_REQUIRE_POSTGRES") == "1"
 
@@ -102,6 +103,21 @@ class RedisServer:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> None:
+        # A free port is only free when it is probed: another process (a parallel test
+        # worker's server) may bind it first. Then the server exits on the bind, and
+        # another port is tried.
+        for attempt in range(_BIND_TRIES):
+            try:
+                self._start_once()
+            except RedisUnavailable as exc:
+                if "already in use" not in str(exc) or attempt == _BIND_TRIES - 1:
+                    raise
+                self.port = _free_port()
+                continue
+            return
+
+    def _start_once(self) -> None:
+        (self.root / "redis.log").unlink(missing_ok=True)  # a failed try's
         self._proc = subprocess.Popen(
             [
                 self.binary,
@@ -135,10 +151,11 @@ class RedisServer:
             assert self._proc is not None
             if self._proc.poll() is not None:
                 raise RedisUnavailable(f"redis-server exited: {self.log.strip()[-2000:]}")
-            if _ping(self.port):
+            # Its own log line first: a port that answers may be another process's.
+            if "Ready to accept connections" in self.log and _ping(self.port):
                 return
-            # The PING is the signal; waiting on the process only paces the polling (and
-            # notices an early exit at once).
+            # The log and the PING are the signal; waiting on the process only paces the
+            # polling (and notices an early exit at once).
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=0.05)
         self.stop()

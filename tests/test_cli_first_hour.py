@@ -109,12 +109,6 @@ def test_the_window_help_names_its_default() -> None:
     ("name", "value", "expected"),
     [
         (
-            "PAYORCH_ADYEN_HMAC_KEY",
-            "zz",
-            "error: PAYORCH_ADYEN_HMAC_KEY must be the hex HMAC key (e.g. 44782D…) "
-            "(fix the setting and run again)",
-        ),
-        (
             "PAYORCH_LEASE_SECONDS",
             "-1",
             "error: PAYORCH_LEASE_SECONDS: Input should be greater than 0 "
@@ -135,6 +129,18 @@ def test_a_refused_setting_is_one_line_in_payorchs_words(
     assert result.exit_code == 1
     assert one_error_line(result) == expected
     assert "Value error" not in result.output and "pydantic" not in result.output
+
+
+def test_a_refused_provider_setting_is_one_line_where_a_provider_is_called(db_url: str) -> None:
+    env = {"PAYORCH_STRIPE_IDEMPOTENCY_WINDOW_SECONDS": "-1"}
+    # A command that calls no provider never reads it.
+    assert runner.invoke(app, ["stats", "--database-url", db_url], env=env).exit_code == 0
+    result = runner.invoke(app, ["reconcile", "once", "--database-url", db_url], env=env)
+    assert result.exit_code == 1
+    assert one_error_line(result) == (
+        "error: PAYORCH_STRIPE_IDEMPOTENCY_WINDOW_SECONDS: Input should be greater than or "
+        "equal to 0 (fix the setting and run again)"
+    )
 
 
 def test_an_empty_database_url_is_refused_not_replaced(db_url: str, world: World) -> None:

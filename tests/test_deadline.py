@@ -104,9 +104,17 @@ def test_a_lease_shorter_than_the_deadline_is_refused_at_start_up(
     slow = SandboxProvider(
         base_url=trickling.url, timeout=FAST_TIMEOUT, deadline=timedelta(seconds=20)
     )
-    # The default lease (60 s) covered the time-outs (3.5 s per call); not a 20 s deadline.
+    # 60 s covered the time-outs (3.5 s per call); not a 20 s deadline.
     with pytest.raises(ConfigurationError, match="lease"):
-        Executor(store=store, providers=[slow], registry=default_registry("sandbox"))
+        Executor(
+            store=store,
+            providers=[slow],
+            registry=default_registry("sandbox"),
+            lease=timedelta(seconds=60),
+        )
+    # Left out, the lease is the adapter's worst case: 4 attempts of 20 s and the backoff.
+    fitted = Executor(store=store, providers=[slow], registry=default_registry("sandbox"))
+    assert fitted.lease >= fitted.lease_needed(slow) > timedelta(seconds=80)
     with pytest.raises(ConfigurationError, match="lease"):
         Reconciler(
             store=store,

@@ -29,11 +29,11 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from pgcluster import _demote, _free_port
+from pgcluster import _demote
+from ports import free_port, start_on_a_free_port
 
 __all__ = ["SKIP_PREFIX", "PgBouncer", "PgBouncerMissing", "PgBouncerUnavailable", "start_or_skip"]
 
-_BIND_TRIES = 5
 _READY_WITHIN = 30.0  # seconds for the port to accept connections
 REQUIRE = os.environ.get("PAYORCH_REQUIRE_POSTGRES") == "1"
 # The skip reason's first words: conftest.py's run summary counts the skips by it.
@@ -73,7 +73,7 @@ class PgBouncer:
         self.server = sa.make_url(server_url)
         self.pool_size = pool_size
         self.root = Path(tempfile.mkdtemp(prefix="payorch-pgbouncer-"))
-        self.port = _free_port()
+        self.port = free_port()
         self.preexec, uid, gid = _demote()
         if uid is not None and gid is not None:
             os.chown(self.root, uid, gid)
@@ -108,18 +108,16 @@ class PgBouncer:
         return ""
 
     def start(self) -> None:
-        # A free port is only free when it is probed: another process (a parallel test
-        # worker's server) may bind it first. Then the server exits on the bind, and
-        # another port is tried.
-        for attempt in range(_BIND_TRIES):
-            try:
-                self._start_once()
-            except PgBouncerUnavailable as exc:
-                if "already in use" not in str(exc) or attempt == _BIND_TRIES - 1:
-                    raise
-                self.port = _free_port()
-                continue
-            return
+        self.port = start_on_a_free_port(
+            self._start_on,
+            self.port,
+            unavailable=PgBouncerUnavailable,
+            taken=lambda exc, _attempt: "already in use" in str(exc),
+        )
+
+    def _start_on(self, port: int) -> None:
+        self.port = port
+        self._start_once()
 
     def _start_once(self) -> None:
         user = self.server.username or "postgres"

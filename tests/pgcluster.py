@@ -15,13 +15,12 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-_BIND_TRIES = 5
+from ports import free_port, start_on_a_free_port
 
 
 class ClusterUnavailable(Exception):
@@ -48,12 +47,6 @@ def _bindir() -> Path:
     raise ClusterUnavailable("no PostgreSQL server binaries (initdb) found")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _demote() -> tuple[Callable[[], None] | None, int | None, int | None]:
     if os.geteuid() != 0:
         return None, None, None
@@ -78,7 +71,7 @@ class Cluster:
         self.bindir = _bindir()
         self.root = Path(tempfile.mkdtemp(prefix="payorch-pg-"))
         self.data = self.root / "data"
-        self.port = _free_port()
+        self.port = free_port()
         self.preexec, uid, gid = _demote()
         if uid is not None and gid is not None:
             os.chown(self.root, uid, gid)
@@ -99,23 +92,23 @@ class Cluster:
     def start(self) -> str:
         initdb = ["initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8"]
         self._run(*initdb, *([] if self.durable else ["--no-sync"]))
-        # A free port is only free when it is probed: another process (a parallel test
-        # worker's cluster or server) may take it before the server binds it. Then the start
-        # fails on the bind, and another port is tried.
-        for attempt in range(_BIND_TRIES):
-            opts = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1"
+        logs: list[Path] = []
+
+        def start_once(port: int) -> None:
+            opts = f"-p {port} -k {self.root} -c listen_addresses=127.0.0.1"
             opts += " -c max_connections=300"
             if not self.durable:
                 opts += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
-            log = self.root / f"log.{attempt}" if attempt else self.root / "log"
-            try:
-                self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(log), "-w", "start")
-            except ClusterUnavailable:
-                if not _bind_failed(log) or attempt == _BIND_TRIES - 1:
-                    raise
-                self.port = _free_port()
-                continue
-            break
+            log = self.root / f"log.{len(logs)}" if logs else self.root / "log"
+            logs.append(log)
+            self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(log), "-w", "start")
+
+        self.port = start_on_a_free_port(
+            start_once,
+            self.port,
+            unavailable=ClusterUnavailable,
+            taken=lambda _exc, attempt: _bind_failed(logs[attempt]),
+        )
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
 
     def stop(self) -> None:

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import sqlalchemy as sa
-from pgcluster import Cluster, ClusterUnavailable, _free_port
+from pgcluster import Cluster, ClusterUnavailable
+from ports import free_port
 
 __all__ = ["ReplicaPair", "poll", "url_for"]
 
@@ -61,7 +62,7 @@ class ReplicaPair:
         self.primary = Cluster()
         self.synchronous = synchronous
         self.standby_data = self.primary.root / "standby"
-        self.standby_port = _free_port()
+        self.standby_port = free_port()
         self.standby_started = False
         self.primary_alive = False
 

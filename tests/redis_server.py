@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ports import free_port, start_on_a_free_port
 
 __all__ = [
     "SKIP_PREFIX",
@@ -40,7 +41,6 @@ __all__ = [
     "start_or_skip",
 ]
 
-_BIND_TRIES = 5
 _READY_WITHIN = 30.0  # seconds for the server to answer PING
 REQUIRE = os.environ.get("PAYORCH_REQUIRE_POSTGRES") == "1"
 
@@ -55,12 +55,6 @@ class RedisMissing(RedisUnavailable):
 
 # The skip reason's first words: conftest.py's run summary counts the skips by it.
 SKIP_PREFIX = "redis-server unavailable"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _binary() -> str:
@@ -86,7 +80,7 @@ class RedisServer:
     def __init__(self) -> None:
         self.binary = _binary()
         self.root = Path(tempfile.mkdtemp(prefix="payorch-redis-"))
-        self.port = _free_port()
+        self.port = free_port()
         self._proc: subprocess.Popen[bytes] | None = None
 
     def url(self, db: int = 0) -> str:
@@ -103,18 +97,16 @@ class RedisServer:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> None:
-        # A free port is only free when it is probed: another process (a parallel test
-        # worker's server) may bind it first. Then the server exits on the bind, and
-        # another port is tried.
-        for attempt in range(_BIND_TRIES):
-            try:
-                self._start_once()
-            except RedisUnavailable as exc:
-                if "already in use" not in str(exc) or attempt == _BIND_TRIES - 1:
-                    raise
-                self.port = _free_port()
-                continue
-            return
+        self.port = start_on_a_free_port(
+            self._start_on,
+            self.port,
+            unavailable=RedisUnavailable,
+            taken=lambda exc, _attempt: "already in use" in str(exc),
+        )
+
+    def _start_on(self, port: int) -> None:
+        self.port = port
+        self._start_once()
 
     def _start_once(self) -> None:
         (self.root / "redis.log").unlink(missing_ok=True)  # a failed try's

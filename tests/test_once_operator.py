@@ -156,7 +156,7 @@ def test_the_cli_lists_shows_and_resolves(db_url: str, store: Store) -> None:
     effect_id = _escalate(store, "a")
     listed = runner.invoke(once_app, ["list", "--database-url", db_url, "--json"])
     assert listed.exit_code == 0, listed.output
-    assert [i["id"] for i in json.loads(listed.output)["items"]] == [effect_id]
+    assert [i["id"] for i in json.loads(listed.stdout)["items"]] == [effect_id]
     shown = runner.invoke(once_app, ["show", effect_id, "--database-url", db_url])
     assert shown.exit_code == 0 and effect_id in shown.output and "TimeoutError" in shown.output
     refused = runner.invoke(
@@ -185,7 +185,7 @@ def test_the_cli_lists_shows_and_resolves(db_url: str, store: Store) -> None:
         ],
     )
     assert resolved.exit_code == 0, resolved.output
-    assert json.loads(resolved.output)["result"] == {"entry": "e-1"}
+    assert json.loads(resolved.stdout)["result"] == {"entry": "e-1"}
     assert _again(store, "a") == {"entry": "e-1"}
     empty = runner.invoke(once_app, ["list", "--database-url", db_url])
     assert empty.exit_code == 0 and "no escalated effects" in empty.output

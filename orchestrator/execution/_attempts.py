@@ -29,7 +29,7 @@ from ..records import OperationRecord, Redactor
 from ..storage._bridge import pause
 from ..storage._store import Store
 
-__all__ = ["RetryPolicy", "submit_and_record", "wire_of"]
+__all__ = ["RetryPolicy", "kept_for", "submit_and_record", "wire_of"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,9 +72,24 @@ def wire_of(prepared: Prepared, adapter: Provider) -> WireRequest | None:
     )
     try:
         built = adapter.wire_request(request)
-    except Exception:  # noqa: BLE001 - the send after the claim reports it, classified
+    except (ConfigurationError, InvalidRequest, UnicodeEncodeError):
+        return None  # refused: submit says so after the claim, classified
+    except Exception as exc:  # noqa: BLE001 - an adapter bug: sent as ever, never re-sent
+        logs.executor_log.warning(
+            "%s.wire_request failed (%s: %s): no request kept; its re-sends will escalate",
+            adapter.name,
+            type(exc).__name__,
+            exc,
+        )
         return None
     return built if isinstance(built, WireRequest) else None
+
+
+def kept_for(wire: WireRequest | None, record: OperationRecord) -> bool:
+    """Whether ``wire`` is a request of ``record``: sent under its downstream key (a wire
+    built for another key, e.g. a take-over of a row claimed under an earlier key form or
+    another key scope, would be another request under the provider's idempotency)."""
+    return wire is not None and wire.idempotency_key in (None, record.downstream_key)
 
 
 def _submit_once(adapter: Provider, request: SubmitRequest) -> tuple[Answer, bool]:

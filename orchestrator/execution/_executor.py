@@ -39,7 +39,7 @@ from ..provider import Provider
 from ..records import OperationRecord
 from ..storage._bridge import bridged
 from ..storage._store import Store
-from ._attempts import RetryPolicy, submit_and_record, wire_of
+from ._attempts import RetryPolicy, kept_for, submit_and_record, wire_of
 from ._flights import Flight, Flights
 
 __all__ = [
@@ -279,6 +279,9 @@ class Executor:
                 # Nothing hidden in the stored copy: nothing for Redactor.of to find there
                 # (its walk skipped); otherwise (None) it is derived as ever.
                 redactor=prepared.redactor,
+                # The bytes the claim kept are the bytes sent, whatever submit would build;
+                # a take-over of an operation first claimed under another key sends afresh.
+                wire=wire if kept_for(wire, claim.operation) else None,
             )
         except OutcomeNotRecorded as exc:
             exc.operation_id = exc.operation_id or op_id

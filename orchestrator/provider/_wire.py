@@ -10,8 +10,11 @@ provider refuses or, worse, executes as the first. So an adapter that can (a
 keeps it with the operation (its ``claimed`` event), and a re-send hands it back to the adapter's
 ``submit`` (:attr:`SubmitRequest.wire <payorch.provider.SubmitRequest.wire>`), which
 sends it as it is. Credentials and tracing headers are the sender's own; the method, the
-path under the adapter's base URL, the headers that decide the request
-(``Idempotency-Key``, ``Content-Type`` and what the adapter names) and the body are kept.
+URL, the headers that decide the request (``Idempotency-Key``, ``Content-Type`` and what
+the adapter names) and the body are kept. A re-sending adapter whose base URL is not where
+the request went first (another endpoint, API version or region) sends nothing: the same
+bytes there would be another request. An adapter that authenticates by a query parameter
+must not be a ``Resender``: the URL is kept as sent.
 
 A request whose stored copy hides a sensitive value keeps no wire request either: a
 re-send would need what was not stored, so none happens (the reconciler escalates).
@@ -27,6 +30,8 @@ from typing import Any
 
 import httpx
 
+from ..errors import ConfigurationError
+
 __all__ = ["DECIDING_HEADERS", "WireRequest"]
 
 # Headers that decide what the provider does with a request (the others are credentials,
@@ -39,24 +44,23 @@ class WireRequest:
     """One HTTP request as an adapter sent it (see the module's docstring)."""
 
     method: str
-    path: str  # under the adapter's base URL, query included
+    url: str  # as sent, query included
     headers: tuple[tuple[str, str], ...]  # the deciding ones, as sent
     body: bytes
 
     @classmethod
-    def of(
-        cls, request: httpx.Request, *, base_url: str, keep: Iterable[str] = DECIDING_HEADERS
-    ) -> WireRequest:
-        """The wire form of ``request``, built by an adapter whose base URL is ``base_url``."""
-        url = str(request.url)
-        base = base_url.rstrip("/")
-        if not url.startswith(base):
-            raise ValueError(f"{url!r} is not under the adapter's base URL {base!r}")
+    def of(cls, request: httpx.Request, *, keep: Iterable[str] = DECIDING_HEADERS) -> WireRequest:
+        """The wire form of ``request``: its ``keep`` headers (by name, any case) and the rest."""
         kept = {name.lower() for name in keep}
         headers = tuple((k, v) for k, v in request.headers.items() if k.lower() in kept)
         return cls(
-            method=request.method, path=url[len(base) :], headers=headers, body=request.read()
+            method=request.method, url=str(request.url), headers=headers, body=request.read()
         )
+
+    @property
+    def idempotency_key(self) -> str | None:
+        """The ``Idempotency-Key`` it was sent with, if it carries one."""
+        return next((v for k, v in self.headers if k.lower() == "idempotency-key"), None)
 
     def build(
         self,
@@ -66,23 +70,29 @@ class WireRequest:
         headers: Mapping[str, str],
         timeout: Any,
     ) -> httpx.Request:
-        """The request to send again: this one's method, path, deciding headers and body,
-        with the sender's own credentials and tracing ``headers`` beside them."""
+        """The request to send again: this one's method, URL, deciding headers and body,
+        with the sender's own credentials and tracing ``headers`` beside them.
+
+        Raises ``ConfigurationError`` (nothing sent) when the sender's ``base_url`` is not
+        where it went first (another endpoint, API version or region): the same bytes there
+        are another request."""
+        base = str(httpx.URL(base_url)).rstrip("/")
+        if not self.url.startswith(base + "/") and self.url != base:
+            raise ConfigurationError(
+                f"the request was first sent to {self.url}, not under this adapter's "
+                f"{base}: not re-sent; configure the adapter as the app's (PAYORCH_PROVIDERS)"
+            )
         merged = dict(headers)
         merged.update(self.headers)
         return client.build_request(
-            self.method,
-            base_url.rstrip("/") + self.path,
-            content=self.body,
-            headers=merged,
-            timeout=timeout,
+            self.method, self.url, content=self.body, headers=merged, timeout=timeout
         )
 
     def stored(self) -> dict[str, Any]:
         """A JSON-able form (text bodies as text, others in base64)."""
         out: dict[str, Any] = {
             "method": self.method,
-            "path": self.path,
+            "url": self.url,
             "headers": [list(h) for h in self.headers],
         }
         try:
@@ -96,8 +106,8 @@ class WireRequest:
         """The request :meth:`stored` wrote, or None for anything else (never a guess)."""
         if not isinstance(data, Mapping):
             return None
-        method, path, headers = data.get("method"), data.get("path"), data.get("headers")
-        if not (isinstance(method, str) and isinstance(path, str) and isinstance(headers, list)):
+        method, url, headers = data.get("method"), data.get("url"), data.get("headers")
+        if not (isinstance(method, str) and isinstance(url, str) and isinstance(headers, list)):
             return None
         pairs = []
         for h in headers:
@@ -114,4 +124,4 @@ class WireRequest:
                 return None
         else:
             return None
-        return cls(method=method, path=path, headers=tuple(pairs), body=body)
+        return cls(method=method, url=url, headers=tuple(pairs), body=body)

@@ -3,12 +3,12 @@
 A replay (a provider that cannot be asked) or a re-submission ("not found" after the grace
 period) is safe only while the provider's idempotency window covers the key, and only as
 the identical request: the provider then answers the first outcome, or executes the one
-request that never arrived. For an adapter that keeps its wire request (:mod:`payorch.wire`)
-that is the request the claim kept, sent byte for byte whatever this process's settings
-say; one that kept none (an operation whose stored request hides a sensitive value, or one
-claimed before wire requests were kept) is never re-sent: it escalates. An adapter that
-cannot keep one re-sends from the stored request, which its ``submit`` must turn into the
-same request (the adapter kit checks it).
+request that never arrived. That is the wire request the claim kept
+(:class:`payorch.provider.WireRequest`), handed to the adapter's ``submit`` to send byte
+for byte whatever this process's settings say. An operation that kept none (its stored
+request hides a sensitive value, it was claimed before wire requests were kept, or it kept
+one for another key), or whose adapter here cannot send one as it is (no
+:class:`payorch.provider.Resender`), is never re-sent: it escalates.
 """
 
 from __future__ import annotations
@@ -82,14 +82,18 @@ def resend_if_covered(
             f"stored request is incomplete (redacted at {where}): cannot re-send the "
             "identical request; settle it from the provider's records"
         )
-    elif isinstance(provider, Resender):
-        wire = sent_wire(rec.store.engine, record)
-        if wire is None:
-            # Built again here, it would carry this process's settings, not the app's.
-            reason = (
-                "the request as first sent was not kept: one built here could differ; "
-                "settle it from the provider's records"
-            )
+    elif not isinstance(provider, Resender):
+        # Its submit would build the request again, from this process's settings.
+        reason = (
+            "this adapter cannot re-send a request as first sent (no wire_request): "
+            "settle it from the provider's records"
+        )
+    elif (wire := sent_wire(rec.store.engine, record)) is None:
+        # Built again here, it would carry this process's settings, not the app's.
+        reason = (
+            "the request as first sent was not kept: one built here could differ; "
+            "settle it from the provider's records"
+        )
     if reason is not None:
         detail["decision"] = f"escalate: {reason}"
         rec._reschedule(record, now, kind=kind, detail=detail, attention=True)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import pkgutil
+import sys
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -329,11 +331,23 @@ def resolve_path(path: str, setting: str) -> Any:
     module_name, _, attribute = path.partition(":")
     if not module_name or not attribute:
         raise ConfigurationError(f"{setting}: {path!r} is not module:attribute")
+    _look_here_too()
     try:
         return pkgutil.resolve_name(path)
     except Exception as exc:  # noqa: BLE001 - whatever the module raised: one line, not a trace
         reason = f"{type(exc).__name__}: {safe_text(exc)}"
         raise ConfigurationError(f"{setting}: cannot load {path!r}: {reason}") from None
+
+
+def _look_here_too() -> None:
+    """The app's modules are found from the directory the process runs in (as ``python -m``
+    finds them), after everything else: a file there never shadows an installed module."""
+    try:
+        here = os.getcwd()
+    except OSError:  # the directory was removed: nothing to add
+        return
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)
 
 
 def load_hooks(path: str) -> OutboxHooks:

@@ -24,7 +24,8 @@ _CLAIM_KINDS = ("claimed", "reclaimed")
 
 def sent_wire(engine: Engine, record: OperationRecord) -> WireRequest | None:
     """The wire request of ``record``'s latest claim or take-over; None if it kept none (an
-    adapter that cannot say, a request that hid a sensitive value, a reaped operation)."""
+    adapter that cannot say, a request that hid a sensitive value, a reaped operation) or
+    kept one under another key than the operation's."""
     e = events.c
     query = (
         sa.select(e.detail)
@@ -41,6 +42,7 @@ def sent_wire(engine: Engine, record: OperationRecord) -> WireRequest | None:
         return conn.execute(query).scalar()
 
     detail = read_in_transaction(engine, read)
-    if not isinstance(detail, dict):
-        return None
-    return WireRequest.from_stored(detail.get("wire"))
+    wire = WireRequest.from_stored(detail.get("wire")) if isinstance(detail, dict) else None
+    if wire is not None and wire.idempotency_key not in (None, record.downstream_key):
+        return None  # built for another key (a take-over of an earlier key form): not this
+    return wire

@@ -187,7 +187,7 @@ class AdyenProvider(ClosesClients):
         if isinstance(prepared, Answer):
             return prepared
         built = self._request(self._clients.sync, prepared[0])
-        return WireRequest.of(built, base_url=self._base_url)
+        return WireRequest.of(built)
 
     def query_status(self, query: StatusQuery) -> Answer:
         """Adyen cannot be asked where a payment stands: AMBIGUOUS, ``status_unsupported``
@@ -309,7 +309,8 @@ class AdyenProvider(ClosesClients):
 
 def _classifier(wire: WireRequest) -> _Classifier:
     """How a submission's answer reads: a payment's, or a modification's (by its path)."""
-    return payment_answer if wire.path == "/payments" else modification_answer
+    payment = httpx.URL(wire.url).path.endswith("/payments")
+    return payment_answer if payment else modification_answer
 
 
 def _void_answer(reply: Reply) -> Answer:

@@ -108,7 +108,7 @@ class SandboxProvider(ClosesClients):
             raise ConfigurationError(
                 f"sandbox base_url must be http(s)://host[:port], not {base_url!r}"
             )
-        self._base_url = base_url.rstrip("/")
+        self._base_url = str(parsed).rstrip("/")
         self._timeout = timeout
         self._idempotency_window = idempotency_window
         self._name = name
@@ -188,7 +188,7 @@ class SandboxProvider(ClosesClients):
     def wire_request(self, request: SubmitRequest) -> WireRequest:
         """What :meth:`submit` sends for ``request`` (a :class:`payorch.wire.Resender`)."""
         built = self._submit_request(self._clients.sync, request)
-        return WireRequest.of(built, base_url=self._base_url)
+        return WireRequest.of(built)
 
     def _outgoing(
         self, client: httpx.Client | httpx.AsyncClient, request: SubmitRequest

@@ -208,7 +208,7 @@ class StripeProvider(ClosesClients):
             answer: Answer = refused.value
             return answer
         built = self._request(self._clients.sync, call)
-        return WireRequest.of(built, base_url=self._base_url, keep=_KEPT_HEADERS)
+        return WireRequest.of(built, keep=_KEPT_HEADERS)
 
     def _rebuilt(
         self, client: httpx.Client | httpx.AsyncClient, wire: WireRequest

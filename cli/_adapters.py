@@ -25,12 +25,10 @@ def providers_from(value: Any, setting: str) -> list[Provider]:
     """The adapters ``value`` gives (a sequence, a callable returning one, or what holds the
     app's adapters: an integration's ``Payorch``, an ``Executor``); a ``ConfigurationError``
     in one line naming ``setting`` for anything else."""
-    held = getattr(value, "providers", None)
-    if held is not None and not isinstance(value, Provider | ModuleType):
-        value = list(held.values()) if isinstance(held, Mapping) else held
-    elif callable(value) and not isinstance(value, Provider):
+    value = _held(value)
+    if callable(value) and not isinstance(value, Provider):
         try:
-            value = value()
+            value = _held(value())  # a factory may return the integration it built
         except ConfigurationError as exc:
             raise ConfigurationError(f"{setting}: {exc.message}") from None
         except Exception as exc:  # noqa: BLE001 - the app's code: one line, not a trace
@@ -56,6 +54,15 @@ def providers_from(value: Any, setting: str) -> list[Provider]:
     if twice:
         raise ConfigurationError(f"{setting}: two adapters named {twice[0]!r}")
     return adapters
+
+
+def _held(value: Any) -> Any:
+    """The adapters an object holds (an integration's ``Payorch``, an ``Executor``: their
+    ``providers``), or ``value`` as it is."""
+    held = getattr(value, "providers", None)
+    if held is None or isinstance(value, Provider | ModuleType):
+        return value
+    return list(held.values()) if isinstance(held, Mapping) else held
 
 
 def load_providers(path: str, setting: str = "PAYORCH_PROVIDERS") -> list[Provider]:

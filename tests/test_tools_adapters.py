@@ -23,6 +23,7 @@ import sqlalchemy as sa
 from cli_helpers import one_error_line, run
 from conftest import age, make_due
 
+from payorch.cli._adapters import providers_from
 from payorch.core import State
 from payorch.execution._executor import Executor, RetryPolicy
 from payorch.providers.adyen.emulator import AdyenEmulator
@@ -399,6 +400,8 @@ def test_the_hook_may_name_the_apps_integration(
         "from payorch.providers.sandbox import SandboxProvider\n"
         "payorch = Payorch(url=os.environ['SHOP_DB'], providers=[SandboxProvider(\n"
         "    base_url=os.environ['SHOP_SANDBOX'], webhook_secret=os.environ['SHOP_SECRET'])])\n"
+        "def create_app():\n"
+        "    return payorch\n"
     )
     sandbox.inject("error_500_after")
     outcome = Executor(
@@ -425,4 +428,10 @@ def test_the_hook_may_name_the_apps_integration(
     record = store.get("shop", outcome.operation_id)
     assert record.state is State.SUCCEEDED
     assert len(sandbox.effects_for(record.downstream_key)) == 1
+    # A factory that returns the integration it built is read the same way.
+    import flaskshop  # type: ignore[import-not-found]
+
+    (adapter,) = providers_from(flaskshop.create_app, "PAYORCH_PROVIDERS")
+    assert adapter is flaskshop.payorch.providers[0]
+    flaskshop.payorch.close()
     sys.modules.pop("flaskshop", None)

@@ -52,7 +52,7 @@ _LATE_RACES = 5  # attempts to fence a late conflict's flag before only recordin
 
 
 def wire_of(prepared: Prepared, adapter: Provider) -> WireRequest | None:
-    """What ``adapter`` will send for ``prepared``, to keep with its claim (payorch.wire):
+    """What ``adapter`` will send for ``prepared`` (a ``WireRequest``), to keep with its claim:
     only where the adapter can say and the stored request hides nothing (a re-send must
     need nothing that was not stored). None otherwise, and for a request the adapter
     refuses: its ``submit`` gives that refusal after the claim, as ever."""
@@ -154,7 +154,7 @@ def submit_and_record(
     found no ``[redacted]`` in it (the reconciler's re-send; it escalates the others).
     ``redactor``: what the provider's echo must not store; None (default) derives it from
     ``record.request`` and ``payload`` (:meth:`Redactor.of <payorch.records.Redactor.of>`).
-    ``wire``: the request the claim kept (:mod:`payorch.wire`), which a re-send hands the
+    ``wire``: the request the claim kept (a ``WireRequest``), which every send hands the
     adapter to send as it is (``SubmitRequest.wire``).
     """
     request = SubmitRequest(

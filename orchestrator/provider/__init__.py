@@ -141,7 +141,7 @@ class SubmitRequest:
     payload: Mapping[str, Any]  # the validated request, sensitive fields included
     idempotency_key: str = ""  # the client's key: the namespace's third part
     fingerprint: str = ""  # of the effect fields, as the claim stored it
-    # A re-send: the request as first sent (payorch.wire), which a Resender sends as it is.
+    # The request as first sent (a WireRequest), which a Resender sends as it is.
     wire: WireRequest | None = None
 
     @property

@@ -190,7 +190,7 @@ class NewOperation:
     currency: str | None = None
     retention: timedelta = timedelta(hours=24)
     key_scope: str = ""  # the installation's (PAYORCH_KEY_SCOPE): part of every ref
-    # What the adapter will send (payorch.wire.WireRequest.stored()), kept with the claim so
+    # What the adapter will send (payorch.provider.WireRequest.stored()), kept with the claim so
     # that a re-send is that request; None when the adapter cannot say or the stored
     # request hides a sensitive value.
     wire: Mapping[str, Any] | None = None

@@ -58,7 +58,7 @@ def duplicate_kind(existing: OperationRecord, new: NewOperation) -> str | None:
 
 def claim_detail(new: NewOperation, **extra: Any) -> dict[str, Any]:
     """The ``claimed`` (or ``reclaimed``) event's detail: ``extra``, the namespace's key and
-    fingerprint, and the request the adapter will send, when it said (``payorch.wire``)."""
+    fingerprint, and the request the adapter will send, when it said (a ``WireRequest``)."""
     detail = {**extra, "idempotency_key": new.idempotency_key, "fingerprint": new.fingerprint}
     if new.wire is not None:
         detail["wire"] = dict(new.wire)

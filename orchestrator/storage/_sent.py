@@ -1,4 +1,4 @@
-"""The request an operation's adapter sent, as its claim kept it (:mod:`payorch.wire`)."""
+"""The request an operation's adapter sent, as its claim kept it (a ``WireRequest``)."""
 
 from __future__ import annotations
 

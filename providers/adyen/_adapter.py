@@ -182,7 +182,7 @@ class AdyenProvider(ClosesClients):
     def wire_request(self, request: SubmitRequest) -> WireRequest | Answer:
         """What :meth:`submit` sends for ``request`` (with this adapter's merchant account,
         return URL and default currency), or the refusal it answers: a
-        :class:`payorch.wire.Resender`."""
+        :class:`payorch.provider.Resender`."""
         prepared = self._prepare_submit(request)
         if isinstance(prepared, Answer):
             return prepared

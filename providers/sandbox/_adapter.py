@@ -186,7 +186,7 @@ class SandboxProvider(ClosesClients):
         return classify_submit(response, request)
 
     def wire_request(self, request: SubmitRequest) -> WireRequest:
-        """What :meth:`submit` sends for ``request`` (a :class:`payorch.wire.Resender`)."""
+        """What :meth:`submit` sends for ``request`` (a :class:`payorch.provider.Resender`)."""
         built = self._submit_request(self._clients.sync, request)
         return WireRequest.of(built)
 

@@ -200,7 +200,7 @@ class StripeProvider(ClosesClients):
 
     def wire_request(self, request: SubmitRequest) -> WireRequest | Answer:
         """What :meth:`submit` sends for ``request``, or the answer it gives without
-        sending: a :class:`payorch.wire.Resender`."""
+        sending: a :class:`payorch.provider.Resender`."""
         flow = submit_flow(request)
         try:
             call = next(flow)

@@ -37,6 +37,7 @@ class Options:
     in_flight: tuple[int, ...] = (64, 256)
     async_http: bool = True
     dbos: bool = True
+    citus: bool = True  # bench_citus: where the server has the extension
     breakdown_ops: int = 2000  # bench_breakdown: operations one at a time, per API
 
     def pg_ops(self, threads: int) -> int:

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_async_http
 import bench_breakdown
+import bench_citus
 import bench_db
 import bench_dbos
 import bench_drain
@@ -325,6 +326,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--storms", type=int, default=10, help="duplicate storms of 100 (0 skips)")
     p.add_argument("--no-fsync-off", action="store_true", help="skip the fsync=off secondary run")
     p.add_argument("--no-dbos", action="store_true", help="skip the DBOS workflow arm")
+    p.add_argument("--no-citus", action="store_true", help="skip the Citus row")
     p.add_argument("--async-ops", type=int, default=1000, help="async HTTP ops per arm and N")
     p.add_argument("--in-flight", default="64,256", help="async HTTP operations in flight")
     p.add_argument("--no-async-http", action="store_true", help="skip the async HTTP benchmark")
@@ -367,6 +369,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         in_flight=_ints(a.in_flight) or (64,),
         async_http=not a.no_async_http,
         dbos=not a.no_dbos,
+        citus=not a.no_citus,
         breakdown_ops=max(0, a.breakdown_ops),
     )
 
@@ -458,6 +461,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     progress=say,
                 )
         drained = bench_backlog(server, say)
+        if opts.citus:
+            bench_citus.bench_citus(server, opts, report, say, instant_executor)
         say("done with PostgreSQL")
     if EXTRA[1]:
         bench_fsync_off(opts, report, say)
@@ -470,6 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench_goals.print_fsync_off(console, report, opts)
     bench_storm.print_storm(console, storm)
     bench_drain.print_drain(console, drained)
+    bench_citus.print_citus(console, report)
     bench_goals.print_goals(console, report, opts, storm, drained)
     if opts.json_path is not None:
         opts.json_path.write_text(json.dumps(report.summary(), indent=2) + "\n")

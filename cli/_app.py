@@ -207,6 +207,35 @@ def db_current(database_url_: DatabaseUrl = None) -> None:
 db_app.command("health")(health_cmd)
 
 
+@db_app.command("distribute")
+def db_distribute(
+    database_url_: DatabaseUrl = None,
+    shard_count: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Shards per table (default: the cluster's citus.shard_count). Only the "
+            "first distribution reads it.",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Distribute payorch's tables by tenant on a Citus coordinator (after `db upgrade`).
+
+    Idempotent: a second run changes nothing. Exit 1, one line, nothing changed, on a
+    database without Citus.
+    """
+    from rich.text import Text
+
+    from .. import migrate
+
+    url = database_url(database_url_)
+    done = migrate.distribute(url, shard_count=shard_count)
+    for line in done:
+        out().print(Text(line))
+    out().print("payorch's tables are distributed" + ("" if done else " (nothing to do)"))
+
+
 DemoDatabaseUrl = Annotated[
     str | None,
     typer.Option(

@@ -23,6 +23,7 @@ from sqlalchemy import exc
 from sqlalchemy.engine import URL, Engine
 
 from .errors import ConfigurationError, InvalidRequest
+from .storage import _distribution as distribution
 from .storage._engine import create_engine, map_db_error, schema_of
 from .storage._pooling import normalise_url
 from .storage._schema import MARKER_TABLE as _MARKER_TABLE
@@ -32,6 +33,7 @@ __all__ = [
     "BRANCH",
     "VERSION_TABLE",
     "current_revision",
+    "distribute",
     "downgrade",
     "ensure_schema",
     "head_revision",
@@ -133,6 +135,33 @@ def upgrade(url: str | URL, revision: str = "heads") -> None:
         raise InvalidRequest(f"cannot upgrade to {revision!r}: {err}") from None
     except exc.SQLAlchemyError as err:
         raise map_db_error(err) from err
+    _distribute_new_tables(url)
+
+
+def _distribute_new_tables(url: str | URL) -> None:
+    """On a schema already distributed, a table a migration created is distributed too
+    (co-located): the schema stays one payorch can serve."""
+    if normalise_url(url).get_backend_name() != "postgresql":
+        return
+    engine = create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        if distribution.read_placement(engine).distributed:
+            distribution.distribute(engine)
+    finally:
+        engine.dispose()
+
+
+def distribute(url: str | URL, *, shard_count: int | None = None) -> list[str]:
+    """Distribute payorch's tables by tenant on a Citus coordinator (after :func:`upgrade`);
+    what was done, empty when nothing was left to do. ``ConfigurationError`` in one line,
+    nothing changed, where Citus is missing."""
+    engine = create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        return distribution.distribute(engine, shard_count=shard_count)
+    except exc.SQLAlchemyError as err:
+        raise map_db_error(err) from err
+    finally:
+        engine.dispose()
 
 
 def downgrade(url: str | URL, revision: str = "base") -> None:

@@ -25,6 +25,8 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 import sqlalchemy as sa
+from citus import SKIP_PREFIX as CITUS_SKIP
+from citus import CitusUnavailable, coordinator_url
 from hypothesis import HealthCheck, settings
 from pgcluster import Cluster, ClusterUnavailable
 
@@ -102,6 +104,30 @@ def pg_url(pg_server_url: str) -> str:
     return url
 
 
+_CITUS_PROBLEM: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def citus_url() -> Iterator[str]:
+    """A Citus coordinator (two workers) with payorch's schema distributed by tenant: from
+    ``PAYORCH_TEST_CITUS_URL`` or started here when the extension is installed; otherwise
+    a skip (CI runs without Citus: the distribution does not package it)."""
+    if _CITUS_PROBLEM:
+        pytest.skip(f"{CITUS_SKIP}: {_CITUS_PROBLEM[0]}")
+    try:
+        url, cluster = coordinator_url()
+    except CitusUnavailable as exc:
+        _CITUS_PROBLEM.append(str(exc))
+        pytest.skip(f"{CITUS_SKIP}: {exc}")
+    try:
+        migrate.upgrade(url)
+        migrate.distribute(url)
+        yield url
+    finally:
+        if cluster is not None:
+            cluster.stop()
+
+
 @pytest.fixture(scope="session")
 def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("sqlite-template") / "template.db"
@@ -126,14 +152,14 @@ def _truncate(url: str) -> None:
         conn.execute(_EMPTIED)
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", "postgres", "citus"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         template: Path = request.getfixturevalue("sqlite_template")
         target = tmp_path / "payorch.db"
         shutil.copyfile(template, target)
         return f"sqlite:///{target}"
-    url: str = request.getfixturevalue("pg_url")
+    url: str = request.getfixturevalue("citus_url" if request.param == "citus" else "pg_url")
     _truncate(url)
     return url
 
@@ -168,6 +194,11 @@ _SERVERS = {
     "PGBOUNCER": (
         "PgBouncer unavailable",
         "install the Debian package pgbouncer (`make test` as root does)",
+    ),
+    "CITUS": (
+        CITUS_SKIP,
+        "build the citus extension for the server (docs/deployment.md) or set "
+        "PAYORCH_TEST_CITUS_URL; the distribution does not package it",
     ),
     "REDIS-SERVER": (
         "redis-server unavailable",

@@ -66,8 +66,9 @@ def _demote() -> tuple[Callable[[], None] | None, int | None, int | None]:
 
 
 class Cluster:
-    def __init__(self, *, durable: bool = False) -> None:
+    def __init__(self, *, durable: bool = False, settings: dict[str, str] | None = None) -> None:
         self.durable = durable
+        self.settings = dict(settings or {})  # more server settings (-c name=value)
         self.bindir = _bindir()
         self.root = Path(tempfile.mkdtemp(prefix="payorch-pg-"))
         self.data = self.root / "data"
@@ -76,6 +77,8 @@ class Cluster:
         if uid is not None and gid is not None:
             os.chown(self.root, uid, gid)
         self.env = {**os.environ, "LC_ALL": "C", "LANG": "C"}
+        if uid is not None:  # the server's own home: not root's (libpq reads ~/.postgresql)
+            self.env["HOME"] = str(self.root)
 
     def _run(self, *args: str) -> None:
         proc = subprocess.run(
@@ -97,6 +100,7 @@ class Cluster:
         def start_once(port: int) -> None:
             opts = f"-p {port} -k {self.root} -c listen_addresses=127.0.0.1"
             opts += " -c max_connections=300"
+            opts += "".join(f" -c {name}={value}" for name, value in self.settings.items())
             if not self.durable:
                 opts += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
             log = self.root / f"log.{len(logs)}" if logs else self.root / "log"

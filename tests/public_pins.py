@@ -165,6 +165,7 @@ PUBLIC: dict[str, list[str]] = {
         "BRANCH",
         "VERSION_TABLE",
         "current_revision",
+        "distribute",
         "downgrade",
         "ensure_schema",
         "head_revision",

@@ -90,7 +90,7 @@ def claim_row(store: Store, policy: Policy, target: Target) -> tuple[EffectRecor
             updated_at=db_now(),
         )
         .on_conflict_do_nothing(index_elements=["tenant_id", "namespace", "key"])
-        .returning(*effects.c, db_now().label("_now"))
+        .returning(*effects.c, effects.c.updated_at.label("_now"))
     )
     where = _namespace(target.tenant_id, policy.namespace, target.key)
     query = sa.select(effects, db_now().label("_now")).where(where)

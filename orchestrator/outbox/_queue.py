@@ -11,6 +11,7 @@ aggregate's messages reach a sink in the order they were staged.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from sqlalchemy.engine import Connection, Engine
 from ..core import safe_text
 from ..errors import InvalidRequest, MessageNotFound, StateConflict
 from ..records import json_ready
+from ..storage._distribution import is_distributed
 from ..storage._engine import run_in_transaction
 from ..storage._outbox import HOOK_FAILED
 from ..storage._statements import new_id
@@ -129,49 +131,123 @@ def lease_due(
     counted), skipping rows other relays hold (``SKIP LOCKED`` on PostgreSQL); with how
     many were dead-lettered instead. A message that has had ``max_attempts`` already and
     comes back (every relay that read it died or hung before recording a failure) is dead
-    here, in the same statement: the bound holds even when ``failed`` is never reached."""
-    due = sa.select(_o.tenant_id, _o.id).where(
-        is_pending(),
-        _o.next_attempt_at <= db_now(),
-        sa.or_(_o.lease_expires_at.is_(None), _o.lease_expires_at <= db_now()),
-        _o.destination.in_(sorted(destinations)),
-        ~_earlier_pending(),
-    )
+    here, in the same statement: the bound holds even when ``failed`` is never reached.
+
+    On distributed tables (Citus), where a lock across shards is refused, the due messages
+    are found by a read that locks nothing, then leased (and the spent ones dead-lettered)
+    per tenant, single-shard, with the same conditions judged again under the lock."""
+    conditions = _due_now(destinations)
     if tenant_ids is not None:
-        due = due.where(_o.tenant_id.in_(sorted(tenant_ids)))
-    due = due.order_by(_o.next_attempt_at, _o.seq).limit(limit).with_for_update(skip_locked=True)
-    spent = _o.attempts >= sa.bindparam("max_attempts")
-    stmt = (
-        sa.update(outbox)
-        .where(sa.tuple_(_o.tenant_id, _o.id).in_(due))
-        .values(
-            state=sa.case((spent, "dead"), else_="pending"),
-            lease_owner=sa.case((spent, None), else_=owner),
-            lease_expires_at=sa.case((spent, None), else_=db_now_plus(sa.bindparam("lease_s"))),
-            attempts=sa.case((spent, _o.attempts), else_=_o.attempts + 1),
-            last_error=sa.case((spent, sa.bindparam("spent_error")), else_=_o.last_error),
-            updated_at=db_now(),
-        )
-        # The database's time with the lease: what the sinks stamp (LeaseClock), so a relay
-        # whose host clock is off still signs with a time its receivers accept.
-        .returning(*outbox.c, db_now().label("_now"))
-    )
+        conditions.append(_o.tenant_id.in_(sorted(tenant_ids)))
+    due = sa.select(_o.tenant_id, _o.id).where(*conditions).order_by(_o.next_attempt_at, _o.seq)
     params = {
         "lease_s": lease_s,
         "max_attempts": max_attempts,
         "spent_error": f"no relay finished it in {max_attempts} attempts (killed or hung "
         "while delivering it)",
     }
+    if is_distributed(engine):
+        rows = _lease_by_tenant(engine, due, conditions, params, owner=owner, limit=limit)
+    else:
+        picked = due.limit(limit).with_for_update(skip_locked=True)
+        stmt = _lease(sa.tuple_(_o.tenant_id, _o.id).in_(picked), owner, spent=None)
 
-    def txn(conn: Connection) -> tuple[list[OutboxMessage], int]:
-        rows = conn.execute(stmt, params).mappings().all()
-        # Read once per batch, beside the local monotonic clock at (about) the same moment.
-        clock = LeaseClock(rows[0]["_now"], time.monotonic()) if rows else None
-        leased = [_message(row, clock) for row in rows if row["state"] == "pending"]
-        return leased, len(rows) - len(leased)
+        def txn(conn: Connection) -> list[Any]:
+            return list(conn.execute(stmt, params).mappings().all())
 
-    leased, dead = run_in_transaction(engine, txn)
-    return sorted(leased, key=lambda m: (m.created_at, m.id)), dead
+        rows = run_in_transaction(engine, txn)
+    # Read once per batch, beside the local monotonic clock at (about) the same moment.
+    clock = LeaseClock(rows[0]["_now"], time.monotonic()) if rows else None
+    leased = [_message(row, clock) for row in rows if row["state"] == "pending"]
+    return sorted(leased, key=lambda m: (m.created_at, m.id)), len(rows) - len(leased)
+
+
+def _due_now(destinations: Collection[str]) -> list[sa.ColumnElement[bool]]:
+    return [
+        is_pending(),
+        _o.next_attempt_at <= db_now(),
+        sa.or_(_o.lease_expires_at.is_(None), _o.lease_expires_at <= db_now()),
+        _o.destination.in_(sorted(destinations)),
+        ~_earlier_pending(),
+    ]
+
+
+def _lease(where: sa.ColumnElement[bool], owner: str, *, spent: bool | None) -> Any:
+    """The lease UPDATE of the rows ``where`` picks. ``spent`` None: one statement decides
+    per row (a CASE); True/False: the rows already split (Citus refuses a function inside a
+    CASE), the spent ones dead-lettered, the others leased."""
+    is_spent = _o.attempts >= sa.bindparam("max_attempts")
+    until = db_now_plus(sa.bindparam("lease_s"))
+    if spent is None:
+        values: dict[str, Any] = {
+            "state": sa.case((is_spent, "dead"), else_="pending"),
+            "lease_owner": sa.case((is_spent, None), else_=owner),
+            "lease_expires_at": sa.case((is_spent, None), else_=until),
+            "attempts": sa.case((is_spent, _o.attempts), else_=_o.attempts + 1),
+            "last_error": sa.case((is_spent, sa.bindparam("spent_error")), else_=_o.last_error),
+        }
+    elif spent:
+        values = {
+            "state": "dead",
+            "lease_owner": None,
+            "lease_expires_at": None,
+            "last_error": sa.bindparam("spent_error"),
+        }
+    else:
+        values = {"lease_owner": owner, "lease_expires_at": until, "attempts": _o.attempts + 1}
+    return (
+        sa.update(outbox)
+        .where(where)
+        .values(**values, updated_at=db_now())
+        # The database's time with the lease (the row's updated_at: Citus refuses a function
+        # in RETURNING): what the sinks stamp (LeaseClock), so a relay whose host clock is
+        # off still signs with a time its receivers accept.
+        .returning(*outbox.c, _o.updated_at.label("_now"))
+    )
+
+
+def _leased(stmt: Any, params: dict[str, Any], conn: Connection) -> list[Any]:
+    return list(conn.execute(stmt, params).mappings().all())
+
+
+def _lease_by_tenant(
+    engine: Engine,
+    due: Any,
+    conditions: list[sa.ColumnElement[bool]],
+    params: dict[str, Any],
+    *,
+    owner: str,
+    limit: int,
+) -> list[Any]:
+    """Distributed: read up to twice the batch (relays reading the same oldest rows lose
+    some to each other), then per tenant, oldest first, lease what is still due."""
+
+    def candidates(conn: Connection) -> list[Any]:
+        return list(conn.execute(due.limit(limit * 2)).all())
+
+    by_tenant: dict[str, list[str]] = {}
+    for tenant_id, message_id in run_in_transaction(engine, candidates, write=False):
+        by_tenant.setdefault(tenant_id, []).append(message_id)
+    rows: list[Any] = []
+    for tenant_id, ids in by_tenant.items():
+        if len(rows) >= limit:
+            break
+        mine = (
+            sa.select(_o.tenant_id, _o.id)
+            .where(_o.tenant_id == tenant_id, _o.id.in_(ids[: limit - len(rows)]))
+            .where(*conditions)
+            .with_for_update(skip_locked=True)
+        )
+        for spent in (True, False):
+            split = _o.attempts >= sa.bindparam("max_attempts")
+            picked = mine.where(split if spent else ~split)
+            stmt = _lease(
+                sa.and_(_o.tenant_id == tenant_id, sa.tuple_(_o.tenant_id, _o.id).in_(picked)),
+                owner,
+                spent=spent,
+            )
+            rows.extend(run_in_transaction(engine, functools.partial(_leased, stmt, params)))
+    return rows
 
 
 def release(engine: Engine, message: OutboxMessage, *, owner: str) -> bool:

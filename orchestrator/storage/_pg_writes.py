@@ -7,19 +7,30 @@ turns the row into a record. Timestamps come from the database; ids from the cal
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Collection, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from ..errors import CorruptRecord, StaleVersion, StorageError
 from ..records import OPERATION_COLUMNS, NewOperation, OperationRecord
 from ._claims import claim_detail
-from ._engine import run_sql, run_sql_rows
+from ._engine import run_in_transaction, run_sql, run_sql_rows
 from ._replication import gate
-from ._statements import PG_CLAIM, PG_CLAIM_DUE, PG_CLAIM_DUE_TENANTS, PG_REREAD, pg_transition_sql
+from ._statements import (
+    PG_CLAIM,
+    PG_CLAIM_DUE,
+    PG_CLAIM_DUE_TENANTS,
+    PG_DUE_CANDIDATES,
+    PG_DUE_CANDIDATES_TENANTS,
+    PG_LEASE_CANDIDATES,
+    PG_NOTIFY,
+    PG_REREAD,
+    pg_transition_sql,
+)
 
 __all__ = ["claim", "claim_due", "json_param", "reread", "reread_for", "transition"]
 
@@ -110,13 +121,16 @@ def transition(
     shape: tuple[Any, ...],
     params: Mapping[str, Any],
     event: Mapping[str, Any],
+    distributed: bool = False,
 ) -> OperationRecord:
     """``pg_transition_sql(shape)`` (built once per shape, kept in ``cache``): the fenced
     UPDATE with the store's ``params``, its event (``event``: id, kind, actor, detail) and
-    the NOTIFY; StaleVersion if the version moved."""
-    sql = cache.get(shape)
+    the NOTIFY; StaleVersion if the version moved. ``distributed`` (Citus): the NOTIFY is
+    the coordinator's, a second statement in the write's transaction."""
+    key = (shape, distributed)
+    sql = cache.get(key)
     if sql is None:
-        sql = cache[shape] = pg_transition_sql(shape)
+        sql = cache[key] = pg_transition_sql(shape, distributed=distributed)
     params = {
         **params,
         "e_id": event["id"],
@@ -128,13 +142,24 @@ def transition(
     for name in ("u_response", "u_request"):  # SQL text: JSON as text, as SQLAlchemy's would
         if name in params:
             params[name] = json_param(params[name])
-    row = run_sql(engine, sql, params)
+    notify = shape[-1]
+    if distributed and notify:
+        row = run_in_transaction(engine, functools.partial(_with_notify, sql, params))
+    else:
+        row = run_sql(engine, sql, params)
     if row is None:
         raise StaleVersion(
             f"operation {record.id} changed since version {record.version}",
             operation_id=record.id,
         )
     return OperationRecord.from_pg(row)
+
+
+def _with_notify(sql: str, params: Mapping[str, Any], conn: Connection) -> Any:
+    row = conn.exec_driver_sql(sql, params).first()
+    if row is not None:
+        conn.exec_driver_sql(PG_NOTIFY, params)
+    return row
 
 
 Unreadable = tuple[CorruptRecord, tuple[str, str, int]]  # the error; tenant, id, version
@@ -148,15 +173,21 @@ def claim_due(
     lease_s: float,
     limit: int,
     tenant_ids: Collection[str] | None,
+    distributed: bool = False,
 ) -> tuple[list[tuple[OperationRecord, datetime]], list[Unreadable]]:
-    """``PG_CLAIM_DUE``: up to ``limit`` due operations leased to ``owner`` in one statement;
-    with the database time, oldest next check first. Rows that cannot be read come back
-    apart, with the (tenant, id, version) the lease left them at, to be quarantined."""
+    """``PG_CLAIM_DUE``: up to ``limit`` due operations leased to ``owner`` in one statement
+    (``distributed``: a read, then a lease per tenant, :func:`_lease_by_tenant`); with the
+    database time, oldest next check first. Rows that cannot be read come back apart, with
+    the (tenant, id, version) the lease left them at, to be quarantined."""
     params: dict[str, Any] = {"owner": owner, "lease_s": lease_s, "limit": limit}
-    sql = PG_CLAIM_DUE
-    if tenant_ids is not None:
-        sql, params["tenant_ids"] = PG_CLAIM_DUE_TENANTS, sorted(tenant_ids)
-    rows = sorted(run_sql_rows(engine, sql, params), key=lambda row: row[0])
+    if distributed:
+        found = _lease_by_tenant(engine, params, tenant_ids)
+    else:
+        sql = PG_CLAIM_DUE
+        if tenant_ids is not None:
+            sql, params["tenant_ids"] = PG_CLAIM_DUE_TENANTS, sorted(tenant_ids)
+        found = run_sql_rows(engine, sql, params)
+    rows = sorted(found, key=lambda row: row[0])
     leased: list[tuple[OperationRecord, datetime]] = []
     corrupt: list[Unreadable] = []
     for row in rows:
@@ -166,3 +197,33 @@ def claim_due(
             tenant_id, op_id, version = (row[i] for i in _WHERE)
             corrupt.append((exc, (tenant_id, op_id, version)))
     return leased, corrupt
+
+
+# Daemons that read the same oldest due rows lose some to each other (SKIP LOCKED): each
+# reads this many times its batch, so a batch still fills while others lease beside it.
+OVERREAD = 2
+
+
+def _lease_by_tenant(
+    engine: Engine, params: dict[str, Any], tenant_ids: Collection[str] | None
+) -> list[Any]:
+    """The pick without a lock across shards: ``PG_DUE_CANDIDATES`` (a read, oldest next
+    check first, every shard), then ``PG_LEASE_CANDIDATES`` per tenant in the order its
+    oldest candidate came (one shard each, rows held by others skipped, "due" judged again
+    under the lock), until the batch is full."""
+    limit = params["limit"]
+    read: dict[str, Any] = {"limit": limit * OVERREAD}
+    sql = PG_DUE_CANDIDATES
+    if tenant_ids is not None:
+        sql, read["tenant_ids"] = PG_DUE_CANDIDATES_TENANTS, sorted(tenant_ids)
+    by_tenant: dict[str, list[str]] = {}
+    for tenant_id, op_id in run_sql_rows(engine, sql, read):
+        by_tenant.setdefault(tenant_id, []).append(op_id)
+    rows: list[Any] = []
+    for tenant_id, ids in by_tenant.items():
+        room = limit - len(rows)
+        if room <= 0:
+            break
+        lease = {**params, "tenant_id": tenant_id, "ids": ids[:room]}
+        rows.extend(run_sql_rows(engine, PG_LEASE_CANDIDATES, lease))
+    return rows

@@ -30,7 +30,7 @@ def timeline_order(dialect: str, *, newest_first: bool = False) -> list[sa.Colum
     operation are serialised by its row (a fenced write waits for the previous one to
     commit before it reads the clock). Ties are broken without a host clock: on SQLite, one
     writer at a time and a millisecond clock, by ``rowid`` (allocation order, which is write
-    order); on PostgreSQL, whose ``clock_timestamp()`` has microseconds and gives each
+    order); on PostgreSQL, whose ``statement_timestamp()`` has microseconds and gives each
     statement its own reading, by the operation's ``version`` the event was written at
     (events that move nothing carry none: last), and only then by id, which can decide
     only between concurrent writes that nothing ordered.

@@ -25,6 +25,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ..errors import InvalidRequest
+from ._distribution import is_distributed
 from ._engine import read_in_transaction, run_in_transaction
 from ._store import Store, new_id
 from ._tables import TERMINAL_STATE_VALUES, db_now, events, operations, webhook_inbox
@@ -86,8 +87,12 @@ def _retained() -> sa.ColumnElement[bool]:
 
 
 def _tenants_with_retained_rows(conn: Connection) -> list[str]:
-    """Distinct tenants in the retention index, one index probe per tenant."""
+    """Distinct tenants in the retention index, one index probe per tenant (a recursive
+    walk; on distributed tables, which Citus cannot walk so, each shard's own DISTINCT)."""
     t = operations.c
+    if is_distributed(conn.engine):
+        found = sa.select(t.tenant_id).where(_retained()).distinct().order_by(t.tenant_id)
+        return [str(r) for r in conn.execute(found).scalars()]
     seed = sa.select(sa.func.min(t.tenant_id).label("tenant_id")).where(_retained())
     walk = seed.cte("retained_tenants", recursive=True)
     step = (

@@ -7,10 +7,11 @@ and compares it with the newest revision this install carries. This install's he
 a revision it does not know passes too, with one WARNING (a newer payorch migrated it: in a
 rolling deploy the migration runs first and the previous release keeps serving, as every
 migration allows unless its changelog says otherwise). Anything else (no tables, an older
-revision, several, tables without one) is refused with :class:`~payorch.errors.SchemaNotReady`,
-whose message names what was found and what to run. Only a refusal reads more (whether
-payorch's tables exist at all, whether a host's Alembic project records payorch's revision
-in its own ``alembic_version``).
+revision, several, tables without one, a Citus layout payorch cannot serve) is refused with
+:class:`~payorch.errors.SchemaNotReady`, whose message names what was found and what to
+run. Only a refusal reads more (whether payorch's tables exist at all, whether a host's
+Alembic project records payorch's revision in its own ``alembic_version``); on PostgreSQL
+one more catalog read tells how the tables are placed.
 
 The migration scripts are found here too (:func:`script_directory`), so that the storage
 layer knows this install's head without importing :mod:`payorch.migrate`, which is above it.
@@ -30,6 +31,7 @@ from sqlalchemy.engine import URL, Connection, Engine
 
 from ..errors import ConfigurationError, SchemaNotReady, StorageError
 from ..observing import _logs as logs
+from ._distribution import layout_problem, read_placement
 from ._engine import read_in_transaction, schema_of
 
 __all__ = [
@@ -181,6 +183,7 @@ def check_schema(engine: Engine) -> str:
             "payorch has one line of migrations: repair the version table by hand"
         )
     found = revisions[0]
+    _check_layout(engine, where)
     if found == head:
         return found
     if found in known:
@@ -199,6 +202,14 @@ def check_schema(engine: Engine) -> str:
         advice=FORWARD_HINT,
     )
     return found
+
+
+def _check_layout(engine: Engine, where: str) -> None:
+    """A distributed schema this payorch cannot serve (partly distributed, by another
+    column, not co-located) is refused with the reason; one catalog read on PostgreSQL."""
+    problem = layout_problem(read_placement(engine))
+    if problem is not None:
+        raise SchemaNotReady(f"{where}: {problem}")
 
 
 class SchemaCheck:

@@ -19,6 +19,7 @@ give payorch's multi-statement transactions their atomicity: :func:`refuse_autoc
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "Watch",
     "adopt",
     "after_commit",
+    "citus_seen",
     "conninfo",
     "first_use",
     "read_only_error",
@@ -40,8 +42,14 @@ __all__ = [
     "watch_of",
 ]
 
-# One round trip per new connection: is it a primary, and may this session write?
-ROLE_SQL = "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')"
+# One round trip per new connection: is it a primary, may this session write, and is Citus
+# there (then the store reads how its tables are placed: payorch._distribution)?
+ROLE_SQL = (
+    "SELECT pg_is_in_recovery(), current_setting('transaction_read_only'), "
+    "to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL"
+)
+# Per pool (so per engine): whether its connections reached a database with Citus.
+_CITUS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 _KEY = "payorch_session"  # in the pool's per-connection info (cleared on reconnect)
 _TARGET = "point the URL at the primary, or list every host with target_session_attrs=read-write"
 
@@ -106,11 +114,23 @@ def first_use(
     except error as orig:
         fairy.invalidate(orig)
         return None
+    _note_citus(getattr(fairy, "_pool", None), row)
     try:
         return adopt(fairy.info, fairy.dbapi_connection, row)
     except StorageError:
         fairy.invalidate()
         raise
+
+
+def _note_citus(pool: Any, row: Any) -> None:
+    if pool is not None and row is not None and len(row) > 2:
+        _CITUS[pool] = bool(row[2])
+
+
+def citus_seen(engine: Engine) -> bool | None:
+    """Whether ``engine``'s connections reached a database with Citus; None before its
+    first connection was used (no statement is spent on knowing it)."""
+    return _CITUS.get(engine.pool)
 
 
 def session(conn: Connection) -> Watch | None:
@@ -122,6 +142,7 @@ def session(conn: Connection) -> Watch | None:
     watch = watch_of(info)
     if watch is None:
         row = conn.exec_driver_sql(ROLE_SQL).first()
+        _note_citus(conn.engine.pool, row)
         try:
             watch = adopt(info, conn.connection.dbapi_connection, row)
         except StorageError:

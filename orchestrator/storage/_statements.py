@@ -37,7 +37,11 @@ __all__ = [
     "PG_CLAIMED",
     "PG_CLAIM_DUE",
     "PG_CLAIM_DUE_TENANTS",
+    "PG_DUE_CANDIDATES",
+    "PG_DUE_CANDIDATES_TENANTS",
     "PG_EXISTING",
+    "PG_LEASE_CANDIDATES",
+    "PG_NOTIFY",
     "PG_REPLAYED",
     "PG_REREAD",
     "REPLAY_BY_ID",
@@ -109,7 +113,8 @@ def _replay(*where: sa.ColumnElement[bool]) -> Any:
             t.reaped_at.is_(None),
         )
         .values(replays=t.replays + 1, last_replayed_at=db_now())
-        .returning(*operations.c, db_now().label("_now"))
+        # The time the write read (Citus refuses a function in RETURNING).
+        .returning(*operations.c, t.last_replayed_at.label("_now"))
     )
 
 
@@ -158,7 +163,7 @@ _LEASE_UPDATE = (
         version=operations.c.version + 1,
         updated_at=db_now(),
     )
-    .returning(*operations.c, db_now().label("_now"))
+    .returning(*operations.c, operations.c.updated_at.label("_now"))
 )
 
 
@@ -185,7 +190,7 @@ def lease_row(
 
 def build_update(shape: tuple[Any, ...], guard: sa.ColumnElement[bool] | None) -> Any:
     """The fenced UPDATE for one shape of transition (see ``Store.transition``)."""
-    plain, lease, next_check, terminal, attempts, checks, notify = shape
+    plain, lease, next_check, terminal, attempts, checks, _notify = shape
     t = operations.c
     values: dict[str, Any] = {name: sa.bindparam(f"u_{name}", type_=t[name].type) for name in plain}
     values["state"] = sa.bindparam("u_state", type_=t.state.type)
@@ -204,18 +209,13 @@ def build_update(shape: tuple[Any, ...], guard: sa.ColumnElement[bool] | None) -
     if terminal:
         values["completed_at"] = db_now()
         values["next_check_at"] = None
-        values["retain_until"] = db_now_plus(t.retention_seconds)
+        values["retain_until"] = db_now_plus(sa.bindparam("u_retention_s", type_=sa.Float))
     if attempts:
         values["attempts"] = t.attempts + sa.bindparam("u_attempts", type_=sa.Integer)
     if checks:
         values["checks"] = t.checks + sa.bindparam("u_checks", type_=sa.Integer)
-    returning: list[Any] = list(operations.c)
-    if notify:
-        # Waiters wake on this; RETURNING carries it, saving a round trip per transition.
-        payload = sa.func.concat(t.tenant_id, ":", t.id)
-        returning.append(
-            sa.func.pg_notify(sa.bindparam("u_channel", type_=sa.String), payload).label("_n")
-        )
+    # The waiters' NOTIFY (``notify``) is the caller's PG_NOTIFY in the same transaction:
+    # Citus refuses a volatile function in RETURNING.
     return (
         sa.update(operations)
         .where(
@@ -225,7 +225,7 @@ def build_update(shape: tuple[Any, ...], guard: sa.ColumnElement[bool] | None) -
             guard if guard is not None else sa.true(),
         )
         .values(**values)
-        .returning(*returning)
+        .returning(*operations.c)
     )
 
 
@@ -245,7 +245,7 @@ _EVENT_COLUMNS = "tenant_id, id, operation_id, kind, actor, from_state, to_state
 
 
 def _now_plus(param: str) -> str:
-    return f"clock_timestamp() + make_interval(secs => %({param})s::float8)"
+    return f"statement_timestamp() + make_interval(secs => %({param})s::float8)"
 
 
 # A replay's count (replays, last_replayed_at) is bookkeeping, not an outcome: its commit
@@ -267,33 +267,33 @@ PG_CLAIM = f"""WITH ins AS (
         'in_progress', %(provider)s, %(downstream_key)s, %(amount)s::bigint, %(currency)s,
         %(request)s::json, %(retention_seconds)s::integer, %(possibly_sent)s::boolean,
         %(attempts)s::integer, 0, false, %(owner)s, {_now_plus("lease_s")},
-        {_now_plus("lease_s")}, 1, clock_timestamp(), clock_timestamp())
+        {_now_plus("lease_s")}, 1, statement_timestamp(), statement_timestamp())
     ON CONFLICT (tenant_id, operation, idempotency_key) DO NOTHING
     RETURNING {_COLS}
 ), ev AS (
     INSERT INTO {_EVENTS} ({_EVENT_COLUMNS}, created_at)
     SELECT tenant_id, %(event_id)s, id, 'claimed', %(owner)s, NULL, 'in_progress', version,
-        %(detail)s::json, clock_timestamp() FROM ins
+        %(detail)s::json, statement_timestamp() FROM ins
 ), rep AS (
-    UPDATE {_OPS} SET replays = replays + 1, last_replayed_at = clock_timestamp()
+    UPDATE {_OPS} SET replays = replays + 1, last_replayed_at = statement_timestamp()
     WHERE {_NAMESPACE} AND fingerprint = %(fingerprint)s AND state IN ({_TERMINAL})
         AND reaped_at IS NULL AND NOT EXISTS (SELECT FROM ins)
     RETURNING {_COLS}
 )
-SELECT {PG_CLAIMED}, {_COLS}, clock_timestamp(), NULL FROM ins
-UNION ALL SELECT {PG_REPLAYED}, {_COLS}, clock_timestamp(), {_ASYNC_COMMIT} FROM rep
-UNION ALL SELECT {PG_EXISTING}, {_COLS}, clock_timestamp(), NULL FROM {_OPS}
+SELECT {PG_CLAIMED}, {_COLS}, statement_timestamp(), NULL FROM ins
+UNION ALL SELECT {PG_REPLAYED}, {_COLS}, statement_timestamp(), {_ASYNC_COMMIT} FROM rep
+UNION ALL SELECT {PG_EXISTING}, {_COLS}, statement_timestamp(), NULL FROM {_OPS}
     WHERE {_NAMESPACE} AND NOT EXISTS (SELECT FROM ins) AND NOT EXISTS (SELECT FROM rep)"""  # noqa: S608
 
 # A waiter's look at the operation it waits for: counted as a replay if it is one by now.
 PG_REREAD = f"""WITH rep AS (
-    UPDATE {_OPS} SET replays = replays + %(replays)s, last_replayed_at = clock_timestamp()
+    UPDATE {_OPS} SET replays = replays + %(replays)s, last_replayed_at = statement_timestamp()
     WHERE tenant_id = %(tenant_id)s AND id = %(id)s AND fingerprint = %(fingerprint)s
         AND state IN ({_TERMINAL}) AND reaped_at IS NULL
     RETURNING {_COLS}
 )
-SELECT {PG_REPLAYED}, {_COLS}, clock_timestamp(), {_ASYNC_COMMIT} FROM rep
-UNION ALL SELECT {PG_EXISTING}, {_COLS}, clock_timestamp(), NULL FROM {_OPS}
+SELECT {PG_REPLAYED}, {_COLS}, statement_timestamp(), {_ASYNC_COMMIT} FROM rep
+UNION ALL SELECT {PG_EXISTING}, {_COLS}, statement_timestamp(), NULL FROM {_OPS}
     WHERE tenant_id = %(tenant_id)s AND id = %(id)s AND NOT EXISTS (SELECT FROM rep)"""  # noqa: S608
 
 # The reconciler's lease of a batch: pick due operations (the active partial index, oldest
@@ -306,21 +306,54 @@ def _claim_due_sql(some_tenants: bool) -> str:
     only = " AND tenant_id = ANY(%(tenant_ids)s)" if some_tenants else ""
     return f"""WITH picked AS (
     SELECT tenant_id, id, version, next_check_at FROM {_OPS}
-    WHERE state IN ({_ACTIVE}) AND next_check_at <= clock_timestamp()
-        AND (lease_expires_at IS NULL OR lease_expires_at <= clock_timestamp()){only}
+    WHERE state IN ({_ACTIVE}) AND next_check_at <= statement_timestamp()
+        AND (lease_expires_at IS NULL OR lease_expires_at <= statement_timestamp()){only}
     ORDER BY next_check_at LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
 UPDATE {_OPS} AS o SET lease_owner = %(owner)s, lease_expires_at = {_now_plus("lease_s")},
-    version = o.version + 1, updated_at = clock_timestamp()
+    version = o.version + 1, updated_at = statement_timestamp()
 FROM picked
 WHERE o.tenant_id = picked.tenant_id AND o.id = picked.id AND o.version = picked.version
 RETURNING picked.next_check_at, {", ".join(f"o.{c}" for c in OPERATION_COLUMNS)},
-    clock_timestamp()"""  # noqa: S608
+    statement_timestamp()"""  # noqa: S608
 
 
 PG_CLAIM_DUE = _claim_due_sql(some_tenants=False)
 PG_CLAIM_DUE_TENANTS = _claim_due_sql(some_tenants=True)  # a daemon per shard of tenants
+
+# Distributed (Citus): a lock across shards is refused, so the pick is two steps. First a
+# read that locks nothing (it fans out to every shard, each reading its active partial
+# index); then, per tenant, a lease of what it found, single-shard, skipping rows another
+# daemon holds and judging "due" again under the row lock. RETURNING: the pick's
+# next_check_at, the columns, and updated_at (the database time the lease was written at;
+# Citus refuses a function in RETURNING).
+_DUE = f"""state IN ({_ACTIVE}) AND next_check_at <= statement_timestamp()
+        AND (lease_expires_at IS NULL OR lease_expires_at <= statement_timestamp())"""
+
+
+def _due_candidates_sql(some_tenants: bool) -> str:
+    only = " AND tenant_id = ANY(%(tenant_ids)s)" if some_tenants else ""
+    return f"""SELECT tenant_id, id FROM {_OPS}
+    WHERE {_DUE}{only}
+    ORDER BY next_check_at LIMIT %(limit)s"""  # noqa: S608
+
+
+PG_DUE_CANDIDATES = _due_candidates_sql(some_tenants=False)
+PG_DUE_CANDIDATES_TENANTS = _due_candidates_sql(some_tenants=True)
+PG_LEASE_CANDIDATES = f"""WITH picked AS (
+    SELECT tenant_id, id, version, next_check_at FROM {_OPS}
+    WHERE tenant_id = %(tenant_id)s AND id = ANY(%(ids)s) AND {_DUE}
+    ORDER BY next_check_at
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {_OPS} AS o SET lease_owner = %(owner)s, lease_expires_at = {_now_plus("lease_s")},
+    version = o.version + 1, updated_at = statement_timestamp()
+FROM picked
+WHERE o.tenant_id = %(tenant_id)s AND o.tenant_id = picked.tenant_id AND o.id = picked.id
+    AND o.version = picked.version
+RETURNING picked.next_check_at, {", ".join(f"o.{c}" for c in OPERATION_COLUMNS)},
+    o.updated_at"""  # noqa: S608
 
 # (S608 below: the f-strings splice in names and literals of this module only; every value
 # is a bound parameter.)
@@ -334,14 +367,20 @@ _CASTS = {
 }
 
 
-def pg_transition_sql(shape: tuple[Any, ...]) -> str:
+# The waiters' wake-up, as its own statement in a write's transaction (on Citus, where a
+# distributed statement's own NOTIFY would be sent by a worker, to no listener).
+PG_NOTIFY = "SELECT pg_notify(%(u_channel)s, %(w_tenant_id)s || ':' || %(w_id)s)"
+
+
+def pg_transition_sql(shape: tuple[Any, ...], *, distributed: bool = False) -> str:
     """:func:`build_update`'s UPDATE (same shape, same parameters) with its event row and,
-    when the shape says so, the waiters' NOTIFY: one statement."""
+    when the shape says so and the tables are not distributed, the waiters' NOTIFY: one
+    statement (distributed: the caller sends :data:`PG_NOTIFY` in the same transaction)."""
     plain, lease, next_check, terminal, attempts, checks, notify = shape
     values: dict[str, str] = {n: f"%(u_{n})s{_CASTS.get(n, '')}" for n in plain}
     values["state"] = "%(u_state)s"
     values["version"] = "version + 1"
-    values["updated_at"] = "clock_timestamp()"
+    values["updated_at"] = "statement_timestamp()"
     if lease:
         values["lease_expires_at"] = values["next_check_at"] = _now_plus("u_lease_s")
     else:
@@ -349,16 +388,18 @@ def pg_transition_sql(shape: tuple[Any, ...]) -> str:
     if next_check:
         values["next_check_at"] = _now_plus("u_next_s")
     if terminal:
-        values["completed_at"] = "clock_timestamp()"
+        values["completed_at"] = "statement_timestamp()"
         values["next_check_at"] = "NULL"
-        values["retain_until"] = "clock_timestamp() + make_interval(secs => retention_seconds)"
+        values["retain_until"] = _now_plus("u_retention_s")
     if attempts:
         values["attempts"] = "attempts + %(u_attempts)s::integer"
     if checks:
         values["checks"] = "checks + %(u_checks)s::integer"
     sets = ", ".join(f"{name} = {expr}" for name, expr in values.items())
     # Waiters wake on the NOTIFY, sent when this commits.
-    note = ", pg_notify(%(u_channel)s, tenant_id || ':' || id)" if notify else ""
+    note = (
+        ", pg_notify(%(u_channel)s, tenant_id || ':' || id)" if notify and not distributed else ""
+    )
     return f"""WITH upd AS (
     UPDATE {_OPS} SET {sets}
     WHERE tenant_id = %(w_tenant_id)s AND id = %(w_id)s AND version = %(w_version)s::integer
@@ -366,7 +407,7 @@ def pg_transition_sql(shape: tuple[Any, ...]) -> str:
 ), ev AS (
     INSERT INTO {_EVENTS} ({_EVENT_COLUMNS}, created_at)
     SELECT tenant_id, %(e_id)s, id, %(e_kind)s, %(e_actor)s, %(e_from_state)s, state, version,
-        %(e_detail)s::json, clock_timestamp() FROM upd
+        %(e_detail)s::json, statement_timestamp() FROM upd
 )
 SELECT {_COLS}{note} FROM upd"""  # noqa: S608
 

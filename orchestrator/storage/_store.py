@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -25,7 +24,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Engine
 
-from ..core import State, check_transition
+from ..core import State
 from ..errors import (
     CommitUncertain,
     IdempotencyKeyExpired,
@@ -39,8 +38,9 @@ from . import _pg_writes as pg_writes
 from . import _probes as probes
 from . import _replication as replication
 from ._claims import claim_detail, claim_uncertain, duplicate_kind, look_again_after
+from ._distribution import Placed
 from ._engine import create_engine, run_in_transaction, run_statement, schema_of
-from ._outbox import OutboxHooks, stage_settled, staging
+from ._outbox import OutboxHooks
 from ._pooling import listen_dsn
 from ._reads import Reads
 from ._replays import Replays
@@ -51,10 +51,10 @@ from ._statements import (
     REPLAY_BY_NAMESPACE,
     add_event,
     build_claim,
-    build_update,
     new_id,
 )
 from ._tables import db_now, operations
+from ._transitions import Transitions
 from ._waiting import NOTIFY_CHANNEL, Listener, Mark, wait_until_settled
 from ._work_queue import QUARANTINE_EVENT, QUARANTINE_HOLD, WorkQueue
 
@@ -66,7 +66,7 @@ _PG_CLAIM_ATTEMPTS = 3  # then the general transaction decides
 _TAKE_OVER_ATTEMPTS = 3  # racing requests for one released operation: then "in progress"
 
 
-class Store(Reads, Replays, WorkQueue, SchemaCheck):
+class Store(Reads, Replays, Transitions, WorkQueue, SchemaCheck, Placed):
     """Operations and their events on PostgreSQL or SQLite."""
 
     def __init__(
@@ -410,183 +410,6 @@ class Store(Reads, Replays, WorkQueue, SchemaCheck):
             operation_id=record.id,
             retry_after=look_again_after(record, lease_remaining),
         )
-
-    # -- writes -----------------------------------------------------------------------
-
-    def transition(
-        self,
-        record: OperationRecord,
-        to_state: State,
-        *,
-        kind: str,
-        actor: str,
-        detail: Mapping[str, Any] | None = None,
-        lease: timedelta | None = None,
-        lease_owner: str | None = None,
-        next_check_in: timedelta | None = None,
-        provider_reference: str | None = None,
-        response: Mapping[str, Any] | None = _UNSET,
-        request: Mapping[str, Any] | None = _UNSET,
-        error_code: str | None = _UNSET,
-        resolution: str | None = _UNSET,
-        possibly_sent: bool = _UNSET,
-        attempts_delta: int = 0,
-        checks_delta: int = 0,
-        needs_attention: bool = _UNSET,
-        also: Callable[[Connection, OperationRecord], None] | None = None,
-        guard: sa.ColumnElement[bool] | None = None,
-    ) -> OperationRecord:
-        """Move ``record`` to ``to_state`` if nobody wrote it since it was read.
-
-        The UPDATE is fenced by ``version``; its event row shares the transaction. Passing
-        ``lease`` (re)takes the lease for ``lease_owner``; otherwise the lease is released.
-        ``also`` runs in the same transaction (e.g. the webhook inbox row). ``guard`` is an
-        extra condition of the UPDATE, judged by the database at write time; when it fails
-        the write is refused like a lost compare-and-set.
-        """
-        check_transition(record.state, to_state)
-        plain: dict[str, Any] = {}
-        if provider_reference is not None:  # once known, a reference is never forgotten
-            plain["provider_reference"] = provider_reference
-        for name, value in (
-            ("response", response),
-            ("request", request),
-            ("error_code", error_code),
-            ("resolution", resolution),
-            ("possibly_sent", possibly_sent),
-            ("needs_attention", needs_attention),
-        ):
-            if value is not _UNSET:
-                plain[name] = dict(value) if isinstance(value, Mapping) else value
-        if lease is not None:
-            plain["lease_owner"] = lease_owner
-        # Waiters only ever wait on in_progress: notify when an operation leaves it, or is
-        # released (nothing sent, no lease: a waiter may run it again).
-        notify = (
-            self.is_postgres
-            and record.state is State.IN_PROGRESS
-            and (to_state is not State.IN_PROGRESS or (lease is None and possibly_sent is False))
-        )
-        shape = (
-            tuple(sorted(plain)),
-            lease is not None,
-            next_check_in is not None,
-            to_state.terminal,
-            bool(attempts_delta),
-            bool(checks_delta),
-            notify,
-        )
-        # The parameters of both forms of the write (pg_transition_sql and build_update).
-        params: dict[str, Any] = {f"u_{k}": v for k, v in plain.items()}
-        params.update(
-            u_state=to_state.value,
-            w_tenant_id=record.tenant_id,
-            w_id=record.id,
-            w_version=record.version,
-            u_lease_s=lease.total_seconds() if lease is not None else None,
-            u_next_s=next_check_in.total_seconds() if next_check_in is not None else None,
-            u_attempts=attempts_delta,
-            u_checks=checks_delta,
-            u_channel=NOTIFY_CHANNEL,
-        )
-        hooks = staging(self.outbox_hooks, record.operation, to_state)
-        if self.is_postgres and guard is None and also is None and hooks is None:
-            event = {"id": new_id(), "kind": kind, "actor": actor, "detail": detail}
-            return pg_writes.transition(
-                self.engine, self._pg_updates, record, shape=shape, params=params, event=event
-            )
-        stmt = self._updates.get(shape) if guard is None else None
-        if stmt is None:
-            stmt = build_update(shape, guard)
-            if guard is None:
-                self._updates[shape] = stmt
-
-        def txn(conn: Connection) -> OperationRecord:
-            row = conn.execute(stmt, params).mappings().first()
-            if row is None:
-                raise StaleVersion(
-                    f"operation {record.id} changed since version {record.version}",
-                    operation_id=record.id,
-                )
-            updated = OperationRecord.from_row(row)
-            add_event(
-                conn,
-                updated,
-                kind=kind,
-                actor=actor,
-                from_state=record.state,
-                to_state=to_state,
-                detail=detail,
-            )
-            if also is not None:
-                also(conn, updated)
-            if hooks is not None:  # the messages commit with the outcome, or neither does
-                stage_settled(conn, hooks, updated)
-            return updated
-
-        return run_in_transaction(self.engine, txn)
-
-    def append_event(
-        self,
-        record: OperationRecord,
-        *,
-        kind: str,
-        actor: str,
-        detail: Mapping[str, Any] | None = None,
-        also: Callable[[Connection, OperationRecord], None] | None = None,
-    ) -> None:
-        """Record evidence that does not move the operation (e.g. a stale worker's answer)."""
-
-        def txn(conn: Connection) -> None:
-            if also is not None:
-                also(conn, record)
-            add_event(
-                conn, record, kind=kind, actor=actor, from_state=None, to_state=None, detail=detail
-            )
-
-        run_in_transaction(self.engine, txn)
-
-    def flag_attention(
-        self,
-        record: OperationRecord,
-        *,
-        kind: str,
-        actor: str,
-        detail: Mapping[str, Any],
-        also: Callable[[Connection, OperationRecord], None] | None = None,
-    ) -> OperationRecord:
-        """Set ``needs_attention`` (any state, terminal included) with an event; fenced."""
-
-        def txn(conn: Connection) -> OperationRecord:
-            row = (
-                conn.execute(
-                    sa.update(operations)
-                    .where(
-                        operations.c.tenant_id == record.tenant_id,
-                        operations.c.id == record.id,
-                        operations.c.version == record.version,
-                    )
-                    .values(
-                        needs_attention=True,
-                        version=operations.c.version + 1,
-                        updated_at=db_now(),
-                    )
-                    .returning(*operations.c)
-                )
-                .mappings()
-                .first()
-            )
-            if row is None:
-                raise StaleVersion(f"operation {record.id} changed", operation_id=record.id)
-            updated = OperationRecord.from_row(row)
-            if also is not None:
-                also(conn, updated)
-            add_event(
-                conn, updated, kind=kind, actor=actor, from_state=None, to_state=None, detail=detail
-            )
-            return updated
-
-        return run_in_transaction(self.engine, txn)
 
     # -- waiting ----------------------------------------------------------------------
 

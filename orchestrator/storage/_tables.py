@@ -100,14 +100,19 @@ class UTCDateTime(sa.TypeDecorator[datetime]):
 
 
 class db_now(sa.sql.expression.FunctionElement[datetime]):
-    """The database's clock: leases and due times are judged by one clock, not the hosts'."""
+    """The database's clock: leases and due times are judged by one clock, not the hosts'.
+
+    On PostgreSQL ``statement_timestamp()``: each statement's own reading (as a transaction
+    of several statements needs), and STABLE, so Citus evaluates it once on the coordinator
+    for a distributed modification, where it refuses a VOLATILE ``clock_timestamp()``."""
 
     type = UTCDateTime()
     inherit_cache = True
 
 
 class db_now_plus(sa.sql.expression.FunctionElement[datetime]):
-    """``db_now() + seconds`` (seconds may be a bound parameter or a column expression)."""
+    """``db_now() + seconds``; ``seconds`` a bound parameter or a literal, never a column:
+    Citus refuses a stable function over a column in a distributed modification."""
 
     type = UTCDateTime()
     inherit_cache = True
@@ -115,7 +120,7 @@ class db_now_plus(sa.sql.expression.FunctionElement[datetime]):
 
 @compiles(db_now, "postgresql")
 def _pg_now(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
-    return "clock_timestamp()"
+    return "statement_timestamp()"
 
 
 @compiles(db_now)
@@ -127,7 +132,7 @@ def _sqlite_now(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
 @compiles(db_now_plus, "postgresql")
 def _pg_now_plus(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
     (seconds,) = list(element.clauses)
-    return f"(clock_timestamp() + make_interval(secs => {compiler.process(seconds, **kw)}))"
+    return f"(statement_timestamp() + make_interval(secs => {compiler.process(seconds, **kw)}))"
 
 
 @compiles(db_now_plus)

@@ -40,6 +40,9 @@ class WorkQueue:
         @property
         def is_postgres(self) -> bool: ...
 
+        @property
+        def distributed(self) -> bool: ...
+
     def claim_due(
         self,
         *,
@@ -54,7 +57,9 @@ class WorkQueue:
 
         Due: ``outcome_unknown`` whose next check has come, or ``in_progress`` whose lease
         expired. PostgreSQL picks with ``FOR UPDATE SKIP LOCKED`` so daemons on many hosts
-        take disjoint batches; the lease then keeps others off until it expires.
+        take disjoint batches; the lease then keeps others off until it expires. On
+        distributed tables (Citus) the pick reads without a lock, then leases per tenant
+        (single-shard, ``SKIP LOCKED``).
         ``tenant_ids`` limits the scan to those tenants (a daemon per shard or per tenant).
 
         A picked row that cannot be read (:class:`CorruptRecord`) is quarantined (in the
@@ -101,7 +106,12 @@ class WorkQueue:
             # One statement picks and leases the batch (one round trip, no per-row UPDATE);
             # an unreadable row is set aside after it, fenced by the lease just taken.
             batch, unreadable = pg_writes.claim_due(
-                self.engine, owner=owner, lease_s=lease_s, limit=limit, tenant_ids=tenant_ids
+                self.engine,
+                owner=owner,
+                lease_s=lease_s,
+                limit=limit,
+                tenant_ids=tenant_ids,
+                distributed=self.distributed,
             )
             for exc, where in unreadable:
                 quarantine_one = functools.partial(
@@ -213,7 +223,7 @@ class WorkQueue:
                 version=t.version + 1,
                 updated_at=db_now(),
             )
-            .returning(*operations.c, db_now().label("_now"))
+            .returning(*operations.c, t.updated_at.label("_now"))
         )
 
         def txn(conn: Connection) -> tuple[OperationRecord, datetime]:

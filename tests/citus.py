@@ -4,8 +4,8 @@ run payorch on tables distributed by tenant (``payorch db distribute``).
 ``PAYORCH_TEST_CITUS_URL`` names a coordinator to use instead (a database where the
 ``citus`` extension exists and workers are added). Otherwise the cluster is started here
 when the server's library directory holds the extension (``citus.so``); without either,
-the tests that need it skip with one loud line (``CITUS TESTS DID NOT RUN``), in CI too:
-Citus is not packaged by the distribution, so CI runs without it.
+the tests that need it are left out and the run ends with one loud line (``CITUS TESTS DID
+NOT RUN``), in CI too: Citus is not packaged by the distribution, so CI runs without it.
 """
 
 from __future__ import annotations
@@ -74,6 +74,13 @@ class CitusCluster:
                 node.stop()
 
 
+def missing_reason() -> str | None:
+    """Why no Citus can be had here (None: a coordinator is given, or can be started)."""
+    if os.environ.get("PAYORCH_TEST_CITUS_URL") or extension_present():
+        return None
+    return "no Citus extension in the server's library directory and no PAYORCH_TEST_CITUS_URL"
+
+
 def coordinator_url() -> tuple[str, CitusCluster | None]:
     """A coordinator's URL, and the cluster started for it (None for one given)."""
     given = os.environ.get("PAYORCH_TEST_CITUS_URL")
@@ -87,4 +94,4 @@ def coordinator_url() -> tuple[str, CitusCluster | None]:
     return cluster.start(), cluster
 
 
-__all__ = ["SKIP_PREFIX", "CitusCluster", "CitusUnavailable", "coordinator_url"]
+__all__ = ["SKIP_PREFIX", "CitusCluster", "CitusUnavailable", "coordinator_url", "missing_reason"]

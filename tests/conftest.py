@@ -26,7 +26,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 from citus import SKIP_PREFIX as CITUS_SKIP
-from citus import CitusUnavailable, coordinator_url
+from citus import CitusUnavailable, coordinator_url, missing_reason
 from hypothesis import HealthCheck, settings
 from pgcluster import Cluster, ClusterUnavailable
 
@@ -197,8 +197,8 @@ _SERVERS = {
     ),
     "CITUS": (
         CITUS_SKIP,
-        "build the citus extension for the server (docs/deployment.md) or set "
-        "PAYORCH_TEST_CITUS_URL; the distribution does not package it",
+        "install the Citus extension for the server's PostgreSQL (the distribution does not "
+        "package it) or set PAYORCH_TEST_CITUS_URL to a coordinator",
     ),
     "REDIS-SERVER": (
         "redis-server unavailable",
@@ -223,7 +223,29 @@ def pytest_sessionfinish(session: pytest.Session) -> Iterator[None]:
         _missing_servers(terminalreporter)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without Citus, its tests are left out at collection (hundreds of parametrised cases,
+    not a skip line each); the run ends with one line saying so (:func:`_missing_servers`)."""
+    if missing_reason() is None:
+        return
+    keep, left_out = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        on_citus = callspec is not None and callspec.params.get("db_url") == "citus"
+        (left_out if on_citus or "citus_url" in getattr(item, "fixturenames", ()) else keep).append(
+            item
+        )
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = keep
+
+
 def _missing_servers(terminalreporter: pytest.TerminalReporter) -> None:
+    citus = missing_reason()
+    if citus is not None:
+        prefix, remedy = _SERVERS["CITUS"]
+        line = f"CITUS TESTS DID NOT RUN (left out): {citus}; {remedy}"
+        terminalreporter.write_sep("!", line, red=True, bold=True)
     skipped = [_reason(r) for r in terminalreporter.stats.get("skipped", [])]
     for server, (prefix, remedy) in _SERVERS.items():
         reasons = [r for r in skipped if r.startswith(prefix)]

@@ -25,6 +25,7 @@ from typing import Any
 import psycopg
 
 from payorch import Store
+from payorch.storage import _pg_writes as pg_writes
 
 ACTIVE_INDEX = "ix_payorch_operations_active"
 OWNER = "bench-reconciler"
@@ -139,6 +140,8 @@ class ScanResult:
     claim_p50_ms: float
     claim_p90_ms: float
     claimed_per_call: float
+    # The same pick as on Citus (a read, then a lease per tenant), on this one node.
+    two_step_p50_ms: float
     churn_buffers: int  # the scan's buffers after the claim_due repetitions, before VACUUM
     plan_text: list[str]
 
@@ -245,14 +248,27 @@ def time_pick(conninfo: str, statement: str, params: Mapping[str, Any], reps: in
     return statistics.median(times) * 1000
 
 
-def time_claim_due(store: Store, conninfo: str, reps: int) -> tuple[float, float, float]:
-    """Median and p90 milliseconds of ``claim_due(limit=50)``, and rows claimed per call."""
+def time_claim_due(
+    store: Store, conninfo: str, reps: int, *, two_step: bool = False
+) -> tuple[float, float, float]:
+    """Median and p90 milliseconds of ``claim_due(limit=50)``, and rows claimed per call;
+    ``two_step``: the pick a distributed schema uses (a read, then a lease per tenant)."""
     times: list[float] = []
     claimed: list[int] = []
     for _ in range(reps):
         reset_claimed(conninfo)
         began = time.perf_counter()
-        batch = store.claim_due(owner=OWNER, lease=LEASE, limit=BATCH)
+        if two_step:
+            batch, _ = pg_writes.claim_due(
+                store.engine,
+                owner=OWNER,
+                lease_s=LEASE.total_seconds(),
+                limit=BATCH,
+                tenant_ids=None,
+                distributed=True,
+            )
+        else:
+            batch = store.claim_due(owner=OWNER, lease=LEASE, limit=BATCH)
         times.append(time.perf_counter() - began)
         claimed.append(len(batch))
     reset_claimed(conninfo)
@@ -284,6 +300,7 @@ def measure_size(
     hit, read = _buffers(plan)
     pick_ms = time_pick(conninfo, statement, params, pick_reps)
     claim_p50, claim_p90, per_call = time_claim_due(store, conninfo, claim_reps)
+    two_step, _, _ = time_claim_due(store, conninfo, claim_reps, two_step=True)
     churned, _ = explain(conninfo, statement, params)
     with psycopg.connect(conninfo) as conn:
         sizes = conn.execute(SIZES_SQL, (ACTIVE_INDEX,)).fetchone()
@@ -306,6 +323,7 @@ def measure_size(
         claim_p50_ms=claim_p50,
         claim_p90_ms=claim_p90,
         claimed_per_call=per_call,
+        two_step_p50_ms=two_step,
         churn_buffers=sum(_buffers(churned)),
         plan_text=text,
     )

@@ -35,6 +35,8 @@ from payorch.storage._waiting import NOTIFY_CHANNEL
 PAYORCH = Path(sys.executable).parent / "payorch"
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
 MONEY = ("succeeded", "processing")
+# Citus refuses, for this session, a statement of several tasks or with intermediate results.
+ROUTER_ONLY = "-c citus.multi_task_query_log_level=error -c citus.max_intermediate_result_size=0"
 
 
 @pytest.fixture
@@ -114,9 +116,11 @@ def test_fresh_payments_of_thirty_tenants_each_charge_once(
 
 
 def test_sixteen_racing_duplicates_of_one_key_make_one_effect(
-    store: Store, sandbox: SandboxServer, sandbox_provider: SandboxProvider
+    citus: str, store: Store, sandbox: SandboxServer, sandbox_provider: SandboxProvider
 ) -> None:
-    ex = executor(store, sandbox_provider)
+    """The claim, the waits and their rereads: single-shard statements throughout."""
+    router_only = Store.from_url(citus, connect_args={"options": ROUTER_ONLY})
+    ex = executor(router_only, sandbox_provider)
     start = threading.Barrier(16)
     answers: list[object] = []
 
@@ -140,6 +144,7 @@ def test_sixteen_racing_duplicates_of_one_key_make_one_effect(
         t.start()
     for t in threads:
         t.join(60)
+    router_only.close()
     assert len(answers) == 16
     ids = {a.operation_id for a in answers if hasattr(a, "operation_id")}
     assert len(ids) == 1
@@ -275,11 +280,10 @@ def test_distribute_without_citus_is_one_line_and_changes_nothing(postgres_url: 
 def test_the_request_path_reaches_one_shard_per_statement(
     citus: str, sandbox: SandboxServer, sandbox_provider: SandboxProvider
 ) -> None:
-    """With Citus told to refuse any statement that runs on more than one shard, payments,
+    """With Citus told to refuse any statement that runs on more than one shard or passes
+    rows between its parts through the coordinator (a recursively planned CTE), payments,
     their replays, a decline, a refused reuse and the waiters' reads all still work."""
-    router_only = Store.from_url(
-        citus, connect_args={"options": "-c citus.multi_task_query_log_level=error"}
-    )
+    router_only = Store.from_url(citus, connect_args={"options": ROUTER_ONLY})
     try:
         ex = executor(router_only, sandbox_provider)
         paid = ex.execute(
@@ -309,3 +313,74 @@ def test_the_request_path_reaches_one_shard_per_statement(
     finally:
         router_only.close()
     assert len([e for e in sandbox.ledger() if e["status"] in MONEY]) == 1
+
+
+def test_the_relay_leases_shard_by_shard_in_order(citus: str) -> None:
+    """The relay's read fans out; every lease is a single-shard statement (Citus told to
+    refuse intermediate results): one aggregate's messages arrive in order through a
+    failure, each tenant's, and a message past its attempts is dead-lettered."""
+    from test_outbox import NOW, Ledger, _stage, settle
+
+    from payorch.outbox import Message, Relay, RelayPolicy
+
+    store = Store.from_url(
+        citus, connect_args={"options": "-c citus.max_intermediate_result_size=0"}
+    )
+    try:
+        staged = {
+            tenant: _stage(
+                store,
+                *(Message("step", "order", "o-1", {"n": n}) for n in range(3)),
+                tenant_id=tenant,
+            )
+            for tenant in ("a", "b", "c")
+        }
+        sink = Ledger(fail=2)
+        with Relay(store, {"default": sink}, policy=NOW, rand=lambda: 0.0) as relay:
+            total = settle(relay)
+        assert total.delivered == 9 and total.failed == 2 and total.dead == 0
+        for tenant, ids in staged.items():
+            assert [m.id for m in sink.got if m.tenant_id == tenant] == ids
+        (doomed,) = _stage(store, Message("t", "order", "o-9", {}), tenant_id="a")
+        dying = Ledger(fail=100)
+        policy = RelayPolicy(max_attempts=2, backoff_base=1.0, concurrency=1)
+        with Relay(store, {"default": dying}, policy=policy, rand=lambda: 0.0) as relay:
+            settle(relay)
+        assert dying.got == [] and dying.fail == 98
+        with store.engine.connect() as conn:
+            state = conn.exec_driver_sql(
+                "SELECT state FROM payorch_outbox WHERE tenant_id = 'a' AND id = %(id)s",
+                {"id": doomed},
+            ).scalar_one()
+        assert state == "dead"
+    finally:
+        store.close()
+
+
+def test_daemons_lease_disjoint_batches_oldest_first_and_by_tenant(
+    store: Store, sandbox: SandboxServer, sandbox_provider: SandboxProvider
+) -> None:
+    ex = executor(store, sandbox_provider)
+    due: dict[str, str] = {}
+    for n in range(12):
+        sandbox.inject("drop_after")
+        outcome = ex.execute(
+            tenant_id=f"d{n % 6}",
+            operation="payment.create",
+            idempotency_key=f"k{n}",
+            request=PAYMENT,
+        )
+        due[outcome.operation_id] = f"d{n % 6}"
+        make_due(store, outcome.operation_id)
+    lease = timedelta(seconds=60)
+    only = store.claim_due(owner="tenant-daemon", lease=lease, limit=10, tenant_ids={"d3"})
+    assert sorted(r.tenant_id for r, _ in only) == ["d3", "d3"]
+    first = store.claim_due(owner="daemon-1", lease=lease, limit=5)
+    second = store.claim_due(owner="daemon-2", lease=lease, limit=5)
+    rest = store.claim_due(owner="daemon-3", lease=lease, limit=5)
+    batches = [{r.id for r, _ in batch} for batch in (only, first, second, rest)]
+    assert [len(b) for b in batches] == [2, 5, 5, 0]
+    assert set().union(*batches) == set(due) and sum(map(len, batches)) == len(due)
+    for batch, owner in zip(batches[1:3], ("daemon-1", "daemon-2"), strict=True):
+        assert {store.get(due[i], i).lease_owner for i in batch} == {owner}
+    assert len(sandbox.ledger()) == 12

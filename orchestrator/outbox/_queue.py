@@ -206,8 +206,21 @@ def _lease(where: sa.ColumnElement[bool], owner: str, *, spent: bool | None) -> 
     )
 
 
-def _leased(stmt: Any, params: dict[str, Any], conn: Connection) -> list[Any]:
-    return list(conn.execute(stmt, params).mappings().all())
+def _lock_and_lease(
+    lock: Any, tenant_id: str, params: dict[str, Any], owner: str, conn: Connection
+) -> list[Any]:
+    """One tenant's shard, one transaction: lock what is still due, then dead-letter the
+    locked messages past their attempts and lease the others."""
+    locked = conn.execute(lock).all()
+    spent = [m for m, attempts in locked if attempts >= params["max_attempts"]]
+    live = [m for m, attempts in locked if attempts < params["max_attempts"]]
+    rows: list[Any] = []
+    for ids, is_spent in ((spent, True), (live, False)):
+        if ids:
+            where = sa.and_(_o.tenant_id == tenant_id, _o.id.in_(ids))
+            stmt = _lease(where, owner, spent=is_spent)
+            rows.extend(conn.execute(stmt, params).mappings().all())
+    return rows
 
 
 def _lease_by_tenant(
@@ -220,7 +233,8 @@ def _lease_by_tenant(
     limit: int,
 ) -> list[Any]:
     """Distributed: read up to twice the batch (relays reading the same oldest rows lose
-    some to each other), then per tenant, oldest first, lease what is still due."""
+    some to each other), then per tenant, oldest first, lock what is still due and lease
+    it (:func:`_lock_and_lease`)."""
 
     def candidates(conn: Connection) -> list[Any]:
         return list(conn.execute(due.limit(limit * 2)).all())
@@ -230,23 +244,23 @@ def _lease_by_tenant(
         by_tenant.setdefault(tenant_id, []).append(message_id)
     rows: list[Any] = []
     for tenant_id, ids in by_tenant.items():
-        if len(rows) >= limit:
+        room = limit - len(rows)
+        if room <= 0:
             break
-        mine = (
-            sa.select(_o.tenant_id, _o.id)
-            .where(_o.tenant_id == tenant_id, _o.id.in_(ids[: limit - len(rows)]))
-            .where(*conditions)
+        # Every candidate of the tenant, at most ``room`` locked: the rows another relay is
+        # leasing right now are skipped for the next ones, not waited for.
+        lock = (
+            sa.select(_o.id, _o.attempts)
+            .where(_o.tenant_id == tenant_id, _o.id.in_(ids), *conditions)
+            .order_by(_o.next_attempt_at, _o.seq)
+            .limit(room)
             .with_for_update(skip_locked=True)
         )
-        for spent in (True, False):
-            split = _o.attempts >= sa.bindparam("max_attempts")
-            picked = mine.where(split if spent else ~split)
-            stmt = _lease(
-                sa.and_(_o.tenant_id == tenant_id, sa.tuple_(_o.tenant_id, _o.id).in_(picked)),
-                owner,
-                spent=spent,
+        rows.extend(
+            run_in_transaction(
+                engine, functools.partial(_lock_and_lease, lock, tenant_id, params, owner)
             )
-            rows.extend(run_in_transaction(engine, functools.partial(_leased, stmt, params)))
+        )
     return rows
 
 

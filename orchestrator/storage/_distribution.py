@@ -37,6 +37,7 @@ __all__ = [
     "Placed",
     "Placement",
     "distribute",
+    "distributed_if_known",
     "is_distributed",
     "layout_problem",
     "read_placement",
@@ -152,10 +153,15 @@ _SEEN_LOCK = threading.Lock()
 def is_distributed(engine: Engine) -> bool:
     """payorch's tables are distributed on this engine's database (Citus): read once, then
     again after :data:`PLACEMENT_TTL_S`; always False on SQLite, and on a PostgreSQL whose
-    connections' first-use check found no Citus (without a statement of its own)."""
+    connections' first-use check (which each pooled connection runs once anyway) found no
+    Citus: no statement of its own there."""
     if engine.dialect.name != "postgresql":
         return False
-    if sessions.citus_seen(engine) is False:
+    citus = sessions.citus_seen(engine)
+    if citus is None:  # no connection used yet: use one now (its first-use check tells)
+        read_in_transaction(engine, _nothing)
+        citus = sessions.citus_seen(engine)
+    if not citus:
         return False  # the connections' first-use check saw no Citus: no statement spent
     now = time.monotonic()
     with _SEEN_LOCK:
@@ -166,6 +172,20 @@ def is_distributed(engine: Engine) -> bool:
     with _SEEN_LOCK:
         _SEEN[engine] = (distributed, now)
     return distributed
+
+
+def _nothing(conn: Connection) -> None:
+    return None
+
+
+def distributed_if_known(engine: Engine) -> bool | None:
+    """What :func:`is_distributed` last found (False where no connection saw Citus), or
+    None if it never looked: no I/O, for callers that may not wait on the database."""
+    if engine.dialect.name != "postgresql" or sessions.citus_seen(engine) is False:
+        return False
+    with _SEEN_LOCK:
+        seen = _SEEN.get(engine)
+    return seen[0] if seen is not None else None
 
 
 class Placed:

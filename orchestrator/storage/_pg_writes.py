@@ -17,7 +17,9 @@ from sqlalchemy.engine import Connection, Engine
 
 from ..errors import CorruptRecord, StaleVersion, StorageError
 from ..records import OPERATION_COLUMNS, NewOperation, OperationRecord
+from . import _citus_writes as citus_writes
 from ._claims import claim_detail
+from ._distribution import is_distributed
 from ._engine import run_in_transaction, run_sql, run_sql_rows
 from ._replication import gate
 from ._statements import (
@@ -26,13 +28,21 @@ from ._statements import (
     PG_CLAIM_DUE_TENANTS,
     PG_DUE_CANDIDATES,
     PG_DUE_CANDIDATES_TENANTS,
-    PG_LEASE_CANDIDATES,
-    PG_NOTIFY,
+    PG_LEASE_LOCKED,
+    PG_LOCK_CANDIDATES,
     PG_REREAD,
     pg_transition_sql,
 )
 
-__all__ = ["claim", "claim_due", "json_param", "reread", "reread_for", "transition"]
+__all__ = [
+    "claim",
+    "claim_due",
+    "json_param",
+    "reread",
+    "reread_for",
+    "reread_for_distributed",
+    "transition",
+]
 
 _NOW = len(OPERATION_COLUMNS) + 1  # after the kind and the columns: the database time
 
@@ -78,7 +88,10 @@ def claim(
         "detail": json_param(claim_detail(new)),
     }
     gate(engine)  # with PAYORCH_REQUIRE_SYNC_STANDBY: no claim without a synchronous standby
-    row = run_sql(engine, PG_CLAIM, params)
+    if is_distributed(engine):
+        row = citus_writes.claim(engine, params)
+    else:
+        row = run_sql(engine, PG_CLAIM, params)
     if row is None:
         return None
     return row[0], OperationRecord.from_pg(row[1:]), row[_NOW].astimezone(UTC)
@@ -87,6 +100,8 @@ def claim(
 def reread(engine: Engine, record: OperationRecord, replays: int = 1) -> OperationRecord:
     """``PG_REREAD``: the operation now, ``replays`` counted if it is terminal."""
     params = _reread_params(record, replays)
+    if is_distributed(engine):
+        return _reread_record(citus_writes.reread(engine, params), record)
     # A lost answer only leaves a replay count in doubt: nothing to tell the client.
     return _reread_record(run_sql(engine, PG_REREAD, params, write=False), record)
 
@@ -95,6 +110,14 @@ def reread_for(driver_connection: Any, record: OperationRecord, waiters: int) ->
     """``PG_REREAD`` on a psycopg connection in autocommit (the waiters' listener), for
     ``waiters`` requests at once: that many replays are counted if it is terminal."""
     row = driver_connection.execute(PG_REREAD, _reread_params(record, waiters)).fetchone()
+    return _reread_record(row, record)
+
+
+def reread_for_distributed(
+    driver_connection: Any, record: OperationRecord, waiters: int
+) -> OperationRecord:
+    """:func:`reread_for` on a distributed schema (Citus: statements of one shard each)."""
+    row = citus_writes.reread_for(driver_connection, _reread_params(record, waiters))
     return _reread_record(row, record)
 
 
@@ -125,12 +148,8 @@ def transition(
 ) -> OperationRecord:
     """``pg_transition_sql(shape)`` (built once per shape, kept in ``cache``): the fenced
     UPDATE with the store's ``params``, its event (``event``: id, kind, actor, detail) and
-    the NOTIFY; StaleVersion if the version moved. ``distributed`` (Citus): the NOTIFY is
-    the coordinator's, a second statement in the write's transaction."""
-    key = (shape, distributed)
-    sql = cache.get(key)
-    if sql is None:
-        sql = cache[key] = pg_transition_sql(shape, distributed=distributed)
+    the NOTIFY; StaleVersion if the version moved. ``distributed`` (Citus): the same as
+    single-shard statements in one transaction (:mod:`payorch.storage._citus_writes`)."""
     params = {
         **params,
         "e_id": event["id"],
@@ -142,10 +161,12 @@ def transition(
     for name in ("u_response", "u_request"):  # SQL text: JSON as text, as SQLAlchemy's would
         if name in params:
             params[name] = json_param(params[name])
-    notify = shape[-1]
-    if distributed and notify:
-        row = run_in_transaction(engine, functools.partial(_with_notify, sql, params))
+    if distributed:
+        row = citus_writes.transition(engine, cache, shape, params)
     else:
+        sql = cache.get(shape)
+        if sql is None:
+            sql = cache[shape] = pg_transition_sql(shape)
         row = run_sql(engine, sql, params)
     if row is None:
         raise StaleVersion(
@@ -153,13 +174,6 @@ def transition(
             operation_id=record.id,
         )
     return OperationRecord.from_pg(row)
-
-
-def _with_notify(sql: str, params: Mapping[str, Any], conn: Connection) -> Any:
-    row = conn.exec_driver_sql(sql, params).first()
-    if row is not None:
-        conn.exec_driver_sql(PG_NOTIFY, params)
-    return row
 
 
 Unreadable = tuple[CorruptRecord, tuple[str, str, int]]  # the error; tenant, id, version
@@ -208,9 +222,9 @@ def _lease_by_tenant(
     engine: Engine, params: dict[str, Any], tenant_ids: Collection[str] | None
 ) -> list[Any]:
     """The pick without a lock across shards: ``PG_DUE_CANDIDATES`` (a read, oldest next
-    check first, every shard), then ``PG_LEASE_CANDIDATES`` per tenant in the order its
-    oldest candidate came (one shard each, rows held by others skipped, "due" judged again
-    under the lock), until the batch is full."""
+    check first, every shard), then per tenant in the order its oldest candidate came, one
+    transaction on its shard: ``PG_LOCK_CANDIDATES`` (rows held by others skipped, "due"
+    judged again under the lock) and ``PG_LEASE_LOCKED``, until the batch is full."""
     limit = params["limit"]
     read: dict[str, Any] = {"limit": limit * OVERREAD}
     sql = PG_DUE_CANDIDATES
@@ -224,6 +238,16 @@ def _lease_by_tenant(
         room = limit - len(rows)
         if room <= 0:
             break
-        lease = {**params, "tenant_id": tenant_id, "ids": ids[:room]}
-        rows.extend(run_sql_rows(engine, PG_LEASE_CANDIDATES, lease))
+        # Every candidate of the tenant, at most ``room`` leased: the rows another daemon
+        # is leasing right now are skipped for the next ones, not waited for.
+        lease = {**params, "tenant_id": tenant_id, "ids": ids, "room": room}
+        rows.extend(run_in_transaction(engine, functools.partial(_lock_and_lease, lease)))
     return rows
+
+
+def _lock_and_lease(lease: dict[str, Any], conn: Connection) -> list[tuple[Any, ...]]:
+    locked = [row[0] for row in conn.exec_driver_sql(PG_LOCK_CANDIDATES, lease)]
+    if not locked:
+        return []
+    leased = conn.exec_driver_sql(PG_LEASE_LOCKED, {**lease, "locked": locked})
+    return [tuple(row) for row in leased]

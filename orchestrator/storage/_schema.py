@@ -10,8 +10,8 @@ migration allows unless its changelog says otherwise). Anything else (no tables,
 revision, several, tables without one, a Citus layout payorch cannot serve) is refused with
 :class:`~payorch.errors.SchemaNotReady`, whose message names what was found and what to
 run. Only a refusal reads more (whether payorch's tables exist at all, whether a host's
-Alembic project records payorch's revision in its own ``alembic_version``); on PostgreSQL
-one more catalog read tells how the tables are placed.
+Alembic project records payorch's revision in its own ``alembic_version``); where Citus is
+installed, one more catalog read tells how the tables are placed.
 
 The migration scripts are found here too (:func:`script_directory`), so that the storage
 layer knows this install's head without importing :mod:`payorch.migrate`, which is above it.
@@ -33,6 +33,7 @@ from ..errors import ConfigurationError, SchemaNotReady, StorageError
 from ..observing import _logs as logs
 from ._distribution import layout_problem, read_placement
 from ._engine import read_in_transaction, schema_of
+from ._sessions import citus_seen
 
 __all__ = [
     "FORWARD_HINT",
@@ -207,6 +208,8 @@ def check_schema(engine: Engine) -> str:
 def _check_layout(engine: Engine, where: str) -> None:
     """A distributed schema this payorch cannot serve (partly distributed, by another
     column, not co-located) is refused with the reason; one catalog read on PostgreSQL."""
+    if citus_seen(engine) is False:
+        return  # the revision's read reached no Citus: nothing more to read
     problem = layout_problem(read_placement(engine))
     if problem is not None:
         raise SchemaNotReady(f"{where}: {problem}")

@@ -40,7 +40,8 @@ __all__ = [
     "PG_DUE_CANDIDATES",
     "PG_DUE_CANDIDATES_TENANTS",
     "PG_EXISTING",
-    "PG_LEASE_CANDIDATES",
+    "PG_LEASE_LOCKED",
+    "PG_LOCK_CANDIDATES",
     "PG_NOTIFY",
     "PG_REPLAYED",
     "PG_REREAD",
@@ -52,6 +53,7 @@ __all__ = [
     "lease_row",
     "new_id",
     "pg_transition_sql",
+    "pg_update_sql",
 ]
 
 
@@ -324,10 +326,12 @@ PG_CLAIM_DUE_TENANTS = _claim_due_sql(some_tenants=True)  # a daemon per shard o
 
 # Distributed (Citus): a lock across shards is refused, so the pick is two steps. First a
 # read that locks nothing (it fans out to every shard, each reading its active partial
-# index); then, per tenant, a lease of what it found, single-shard, skipping rows another
-# daemon holds and judging "due" again under the row lock. RETURNING: the pick's
-# next_check_at, the columns, and updated_at (the database time the lease was written at;
-# Citus refuses a function in RETURNING).
+# index); then, per tenant, one transaction of two single-shard statements: lock what is
+# still due of what it found (rows another daemon holds skipped, "due" judged again under
+# the lock), then lease those rows. (Not one UPDATE with the locking SELECT as its subquery:
+# a subquery may run again for each row it is joined with, locking more than its LIMIT.)
+# RETURNING: next_check_at (the lease leaves it as the pick found it), the columns, and
+# updated_at (the time the lease was written at; Citus refuses a function in RETURNING).
 _DUE = f"""state IN ({_ACTIVE}) AND next_check_at <= statement_timestamp()
         AND (lease_expires_at IS NULL OR lease_expires_at <= statement_timestamp())"""
 
@@ -341,19 +345,15 @@ def _due_candidates_sql(some_tenants: bool) -> str:
 
 PG_DUE_CANDIDATES = _due_candidates_sql(some_tenants=False)
 PG_DUE_CANDIDATES_TENANTS = _due_candidates_sql(some_tenants=True)
-PG_LEASE_CANDIDATES = f"""WITH picked AS (
-    SELECT tenant_id, id, version, next_check_at FROM {_OPS}
-    WHERE tenant_id = %(tenant_id)s AND id = ANY(%(ids)s) AND {_DUE}
-    ORDER BY next_check_at
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE {_OPS} AS o SET lease_owner = %(owner)s, lease_expires_at = {_now_plus("lease_s")},
-    version = o.version + 1, updated_at = statement_timestamp()
-FROM picked
-WHERE o.tenant_id = %(tenant_id)s AND o.tenant_id = picked.tenant_id AND o.id = picked.id
-    AND o.version = picked.version
-RETURNING picked.next_check_at, {", ".join(f"o.{c}" for c in OPERATION_COLUMNS)},
-    o.updated_at"""  # noqa: S608
+PG_LOCK_CANDIDATES = f"""SELECT id FROM {_OPS}
+WHERE tenant_id = %(tenant_id)s AND id = ANY(%(ids)s) AND {_DUE}
+ORDER BY next_check_at LIMIT %(room)s
+FOR UPDATE SKIP LOCKED"""  # noqa: S608
+PG_LEASE_LOCKED = f"""UPDATE {_OPS} SET lease_owner = %(owner)s,
+    lease_expires_at = {_now_plus("lease_s")}, version = version + 1,
+    updated_at = statement_timestamp()
+WHERE tenant_id = %(tenant_id)s AND id = ANY(%(locked)s)
+RETURNING next_check_at, {_COLS}, updated_at"""  # noqa: S608
 
 # (S608 below: the f-strings splice in names and literals of this module only; every value
 # is a bound parameter.)
@@ -372,11 +372,8 @@ _CASTS = {
 PG_NOTIFY = "SELECT pg_notify(%(u_channel)s, %(w_tenant_id)s || ':' || %(w_id)s)"
 
 
-def pg_transition_sql(shape: tuple[Any, ...], *, distributed: bool = False) -> str:
-    """:func:`build_update`'s UPDATE (same shape, same parameters) with its event row and,
-    when the shape says so and the tables are not distributed, the waiters' NOTIFY: one
-    statement (distributed: the caller sends :data:`PG_NOTIFY` in the same transaction)."""
-    plain, lease, next_check, terminal, attempts, checks, notify = shape
+def _sets(shape: tuple[Any, ...]) -> str:
+    plain, lease, next_check, terminal, attempts, checks, _notify = shape
     values: dict[str, str] = {n: f"%(u_{n})s{_CASTS.get(n, '')}" for n in plain}
     values["state"] = "%(u_state)s"
     values["version"] = "version + 1"
@@ -395,15 +392,23 @@ def pg_transition_sql(shape: tuple[Any, ...], *, distributed: bool = False) -> s
         values["attempts"] = "attempts + %(u_attempts)s::integer"
     if checks:
         values["checks"] = "checks + %(u_checks)s::integer"
-    sets = ", ".join(f"{name} = {expr}" for name, expr in values.items())
-    # Waiters wake on the NOTIFY, sent when this commits.
-    note = (
-        ", pg_notify(%(u_channel)s, tenant_id || ':' || id)" if notify and not distributed else ""
-    )
-    return f"""WITH upd AS (
-    UPDATE {_OPS} SET {sets}
+    return ", ".join(f"{name} = {expr}" for name, expr in values.items())
+
+
+def pg_update_sql(shape: tuple[Any, ...]) -> str:
+    """:func:`build_update`'s UPDATE (same shape, same parameters) as SQL text, alone."""
+    return f"""UPDATE {_OPS} SET {_sets(shape)}
     WHERE tenant_id = %(w_tenant_id)s AND id = %(w_id)s AND version = %(w_version)s::integer
-    RETURNING {_COLS}
+    RETURNING {_COLS}"""  # noqa: S608
+
+
+def pg_transition_sql(shape: tuple[Any, ...]) -> str:
+    """:func:`pg_update_sql` with its event row and, when the shape says so, the waiters'
+    NOTIFY: one statement."""
+    # Waiters wake on the NOTIFY, sent when this commits.
+    note = ", pg_notify(%(u_channel)s, tenant_id || ':' || id)" if shape[-1] else ""
+    return f"""WITH upd AS (
+    {pg_update_sql(shape)}
 ), ev AS (
     INSERT INTO {_EVENTS} ({_EVENT_COLUMNS}, created_at)
     SELECT tenant_id, %(e_id)s, id, %(e_kind)s, %(e_actor)s, %(e_from_state)s, state, version,

@@ -38,7 +38,7 @@ from . import _pg_writes as pg_writes
 from . import _probes as probes
 from . import _replication as replication
 from ._claims import claim_detail, claim_uncertain, duplicate_kind, look_again_after
-from ._distribution import Placed
+from ._distribution import Placed, distributed_if_known
 from ._engine import create_engine, run_in_transaction, run_statement, schema_of
 from ._outbox import OutboxHooks
 from ._pooling import listen_dsn
@@ -120,7 +120,12 @@ class Store(Reads, Replays, Transitions, WorkQueue, SchemaCheck, Placed):
                 self._listener = Listener(
                     dsn,  # a libpq conninfo: multi-host and target_session_attrs included
                     # It reads for woken waiters, on its own connection: payorch's tables.
-                    reader=pg_writes.reread_for,
+                    # (What is known, no I/O: an async waiter may be on the loop here.)
+                    reader=(
+                        pg_writes.reread_for_distributed
+                        if distributed_if_known(self.engine)
+                        else pg_writes.reread_for
+                    ),
                     options=f"-c search_path={schema}" if schema not in (None, "public") else None,
                 )
             return self._listener

@@ -11,7 +11,12 @@ NOT RUN``), in CI too: Citus is not packaged by the distribution, so CI runs wit
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import sqlalchemy as sa
@@ -74,6 +79,24 @@ class CitusCluster:
                 node.stop()
 
 
+@contextlib.contextmanager
+def exclusive(url: str) -> Iterator[None]:
+    """Hold the coordinator alone while a test uses it, when it is one given by
+    ``PAYORCH_TEST_CITUS_URL``: every test process (pytest-xdist's workers) shares it and each
+    test empties its tables. A cluster started here is the process's own: no lock."""
+    if os.environ.get("PAYORCH_TEST_CITUS_URL") != url:
+        yield
+        return
+    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / f"payorch-citus-{digest}.lock"
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def missing_reason() -> str | None:
     """Why no Citus can be had here (None: a coordinator is given, or can be started)."""
     if os.environ.get("PAYORCH_TEST_CITUS_URL") or extension_present():
@@ -94,4 +117,11 @@ def coordinator_url() -> tuple[str, CitusCluster | None]:
     return cluster.start(), cluster
 
 
-__all__ = ["SKIP_PREFIX", "CitusCluster", "CitusUnavailable", "coordinator_url", "missing_reason"]
+__all__ = [
+    "SKIP_PREFIX",
+    "CitusCluster",
+    "CitusUnavailable",
+    "coordinator_url",
+    "exclusive",
+    "missing_reason",
+]

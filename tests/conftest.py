@@ -26,7 +26,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 from citus import SKIP_PREFIX as CITUS_SKIP
-from citus import CitusUnavailable, coordinator_url, missing_reason
+from citus import CitusUnavailable, coordinator_url, exclusive, missing_reason
 from hypothesis import HealthCheck, settings
 from pgcluster import Cluster, ClusterUnavailable
 
@@ -120,8 +120,9 @@ def citus_url() -> Iterator[str]:
         _CITUS_PROBLEM.append(str(exc))
         pytest.skip(f"{CITUS_SKIP}: {exc}")
     try:
-        migrate.upgrade(url)
-        migrate.distribute(url)
+        with exclusive(url):
+            migrate.upgrade(url)
+            migrate.distribute(url)
         yield url
     finally:
         if cluster is not None:
@@ -153,15 +154,17 @@ def _truncate(url: str) -> None:
 
 
 @pytest.fixture(params=["sqlite", "postgres", "citus"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         template: Path = request.getfixturevalue("sqlite_template")
         target = tmp_path / "payorch.db"
         shutil.copyfile(template, target)
-        return f"sqlite:///{target}"
+        yield f"sqlite:///{target}"
+        return
     url: str = request.getfixturevalue("citus_url" if request.param == "citus" else "pg_url")
-    _truncate(url)
-    return url
+    with exclusive(url):
+        _truncate(url)
+        yield url
 
 
 @pytest.fixture

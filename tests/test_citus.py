@@ -19,6 +19,7 @@ from pathlib import Path
 import psycopg
 import pytest
 import sqlalchemy as sa
+from citus import exclusive
 from conftest import FAST_TIMEOUT, _truncate, make_due
 
 from payorch import migrate
@@ -40,9 +41,10 @@ ROUTER_ONLY = "-c citus.multi_task_query_log_level=error -c citus.max_intermedia
 
 
 @pytest.fixture
-def citus(citus_url: str) -> str:
-    _truncate(citus_url)
-    return citus_url
+def citus(citus_url: str) -> Iterator[str]:
+    with exclusive(citus_url):
+        _truncate(citus_url)
+        yield citus_url
 
 
 @pytest.fixture

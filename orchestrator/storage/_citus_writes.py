@@ -24,59 +24,35 @@ from sqlalchemy.engine import Connection, Engine
 from ..records import OPERATION_COLUMNS
 from ._engine import run_in_transaction
 from ._statements import (
+    CLAIM_INSERT,
+    CLAIM_REPLAY,
+    CLAIM_ROW,
     PG_CLAIMED,
     PG_EXISTING,
     PG_NOTIFY,
     PG_REPLAYED,
+    REREAD_REPLAY,
+    REREAD_ROW,
+    event_insert,
     pg_update_sql,
 )
-from ._tables import TERMINAL_STATE_VALUES, events, operations
 
 __all__ = ["claim", "reread", "reread_for", "transition"]
 
+# The parts PG_CLAIM and PG_REREAD join, apart. RETURNING: the columns, then the time the
+# write stamped (Citus refuses a function there).
 _COLS = ", ".join(OPERATION_COLUMNS)
-_OPS = operations.name
-_TERMINAL = ", ".join(f"'{s}'" for s in TERMINAL_STATE_VALUES)
-_NAMESPACE = (
-    "tenant_id = %(tenant_id)s AND operation = %(operation)s "
-    "AND idempotency_key = %(idempotency_key)s"
+_CLAIM_INSERT = f"{CLAIM_INSERT}\nRETURNING {_COLS}, updated_at"
+_CLAIM_EVENT = event_insert(
+    "VALUES (%(tenant_id)s, %(event_id)s, %(id)s, 'claimed', %(owner)s, NULL, 'in_progress', 1, "
+    "%(detail)s::json, statement_timestamp())"
 )
-_EVENT_COLUMNS = "tenant_id, id, operation_id, kind, actor, from_state, to_state, version, detail"
-
-# RETURNING: the columns, then the time the write stamped (Citus refuses a function there).
-CLAIM_INSERT = f"""INSERT INTO {_OPS} (tenant_id, id, operation, idempotency_key, fingerprint,
-    state, provider, downstream_key, amount, currency, request, retention_seconds,
-    possibly_sent, attempts, checks, needs_attention, lease_owner, lease_expires_at,
-    next_check_at, version, created_at, updated_at)
-VALUES (%(tenant_id)s, %(id)s, %(operation)s, %(idempotency_key)s, %(fingerprint)s,
-    'in_progress', %(provider)s, %(downstream_key)s, %(amount)s::bigint, %(currency)s,
-    %(request)s::json, %(retention_seconds)s::integer, %(possibly_sent)s::boolean,
-    %(attempts)s::integer, 0, false, %(owner)s,
-    statement_timestamp() + make_interval(secs => %(lease_s)s::float8),
-    statement_timestamp() + make_interval(secs => %(lease_s)s::float8), 1,
-    statement_timestamp(), statement_timestamp())
-ON CONFLICT (tenant_id, operation, idempotency_key) DO NOTHING
-RETURNING {_COLS}, updated_at"""  # noqa: S608
-CLAIM_EVENT = f"""INSERT INTO {events.name} ({_EVENT_COLUMNS}, created_at)
-VALUES (%(tenant_id)s, %(event_id)s, %(id)s, 'claimed', %(owner)s, NULL, 'in_progress', 1,
-    %(detail)s::json, statement_timestamp())"""  # noqa: S608
-CLAIM_REPLAY = f"""UPDATE {_OPS} SET replays = replays + 1, last_replayed_at = statement_timestamp()
-WHERE {_NAMESPACE} AND fingerprint = %(fingerprint)s AND state IN ({_TERMINAL})
-    AND reaped_at IS NULL
-RETURNING {_COLS}, last_replayed_at"""  # noqa: S608
-CLAIM_EXISTING = f"""SELECT {_COLS}, statement_timestamp() FROM {_OPS}
-WHERE {_NAMESPACE}"""  # noqa: S608
-REREAD_REPLAY = f"""UPDATE {_OPS} SET replays = replays + %(replays)s,
-    last_replayed_at = statement_timestamp()
-WHERE tenant_id = %(tenant_id)s AND id = %(id)s AND fingerprint = %(fingerprint)s
-    AND state IN ({_TERMINAL}) AND reaped_at IS NULL
-RETURNING {_COLS}"""  # noqa: S608
-REREAD_ROW = f"""SELECT {_COLS} FROM {_OPS}
-WHERE tenant_id = %(tenant_id)s AND id = %(id)s"""  # noqa: S608
-TRANSITION_EVENT = f"""INSERT INTO {events.name} ({_EVENT_COLUMNS}, created_at)
-VALUES (%(w_tenant_id)s, %(e_id)s, %(w_id)s, %(e_kind)s, %(e_actor)s, %(e_from_state)s,
-    %(u_state)s, %(w_version)s::integer + 1, %(e_detail)s::json,
-    statement_timestamp())"""  # noqa: S608
+_CLAIM_REPLAY = f"{CLAIM_REPLAY}\nRETURNING {_COLS}, last_replayed_at"
+_REREAD_REPLAY = f"{REREAD_REPLAY}\nRETURNING {_COLS}"
+_TRANSITION_EVENT = event_insert(
+    "VALUES (%(w_tenant_id)s, %(e_id)s, %(w_id)s, %(e_kind)s, %(e_actor)s, %(e_from_state)s, "
+    "%(u_state)s, %(w_version)s::integer + 1, %(e_detail)s::json, statement_timestamp())"
+)
 
 
 def claim(engine: Engine, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
@@ -85,14 +61,14 @@ def claim(engine: Engine, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
     namespace held no row either time it looked (reaped meanwhile)."""
 
     def txn(conn: Connection) -> tuple[Any, ...] | None:
-        row = conn.exec_driver_sql(CLAIM_INSERT, params).first()
+        row = conn.exec_driver_sql(_CLAIM_INSERT, params).first()
         if row is not None:
-            conn.exec_driver_sql(CLAIM_EVENT, params)
+            conn.exec_driver_sql(_CLAIM_EVENT, params)
             return (PG_CLAIMED, *row)
-        row = conn.exec_driver_sql(CLAIM_REPLAY, params).first()
+        row = conn.exec_driver_sql(_CLAIM_REPLAY, params).first()
         if row is not None:
             return (PG_REPLAYED, *row)
-        row = conn.exec_driver_sql(CLAIM_EXISTING, params).first()
+        row = conn.exec_driver_sql(CLAIM_ROW, params).first()
         return (PG_EXISTING, *row) if row is not None else None
 
     return run_in_transaction(engine, txn)
@@ -103,7 +79,7 @@ def reread(engine: Engine, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
     rows (a kind first)."""
 
     def txn(conn: Connection) -> tuple[Any, ...] | None:
-        row = conn.exec_driver_sql(REREAD_REPLAY, params).first()
+        row = conn.exec_driver_sql(_REREAD_REPLAY, params).first()
         if row is not None:
             return (PG_REPLAYED, *row)
         row = conn.exec_driver_sql(REREAD_ROW, params).first()
@@ -116,7 +92,7 @@ def reread_for(driver_connection: Any, params: Mapping[str, Any]) -> tuple[Any, 
     """:func:`reread` on the waiters' listener connection (psycopg, autocommit): two
     statements, not one transaction; a terminal operation read by the second without its
     replays counted only leaves a statistic one short."""
-    row = driver_connection.execute(REREAD_REPLAY, params).fetchone()
+    row = driver_connection.execute(_REREAD_REPLAY, params).fetchone()
     if row is not None:
         return (PG_REPLAYED, *row)
     row = driver_connection.execute(REREAD_ROW, params).fetchone()
@@ -142,7 +118,7 @@ def transition(
         row = conn.exec_driver_sql(sql, params).first()
         if row is None:
             return None
-        conn.exec_driver_sql(TRANSITION_EVENT, params)
+        conn.exec_driver_sql(_TRANSITION_EVENT, params)
         if notify:
             conn.exec_driver_sql(PG_NOTIFY, params)
         return tuple(row)

@@ -32,6 +32,9 @@ from ._tables import (
 )
 
 __all__ = [
+    "CLAIM_INSERT",
+    "CLAIM_REPLAY",
+    "CLAIM_ROW",
     "EVENT_INSERT",
     "PG_CLAIM",
     "PG_CLAIMED",
@@ -47,9 +50,12 @@ __all__ = [
     "PG_REREAD",
     "REPLAY_BY_ID",
     "REPLAY_BY_NAMESPACE",
+    "REREAD_REPLAY",
+    "REREAD_ROW",
     "add_event",
     "build_claim",
     "build_update",
+    "event_insert",
     "lease_row",
     "new_id",
     "pg_transition_sql",
@@ -256,30 +262,49 @@ def _now_plus(param: str) -> str:
 # (and wrote nothing else) is affected; a claim's commit stays synchronous.
 _ASYNC_COMMIT = "set_config('synchronous_commit', 'off', true)"
 
-# The claim with its event, or the replay it counts, or the row as it stands: one statement.
-# All of its parts see one snapshot: a conflicting row committed after it began (a racing
-# duplicate) is seen by none of them, and the statement returns no row at all; the caller
-# then reads it with fresh statements.
-PG_CLAIM = f"""WITH ins AS (
-    INSERT INTO {_OPS} (tenant_id, id, operation, idempotency_key, fingerprint, state, provider,
-        downstream_key, amount, currency, request, retention_seconds, possibly_sent, attempts,
-        checks, needs_attention, lease_owner, lease_expires_at, next_check_at, version,
-        created_at, updated_at)
+# The parts of the claim and of a waiter's reread, each a statement of its own: PG_CLAIM and
+# PG_REREAD join them into one; on Citus (_citus_writes) they run apart, in one transaction.
+CLAIM_INSERT = f"""INSERT INTO {_OPS} (tenant_id, id, operation, idempotency_key, fingerprint,
+        state, provider, downstream_key, amount, currency, request, retention_seconds,
+        possibly_sent, attempts, checks, needs_attention, lease_owner, lease_expires_at,
+        next_check_at, version, created_at, updated_at)
     VALUES (%(tenant_id)s, %(id)s, %(operation)s, %(idempotency_key)s, %(fingerprint)s,
         'in_progress', %(provider)s, %(downstream_key)s, %(amount)s::bigint, %(currency)s,
         %(request)s::json, %(retention_seconds)s::integer, %(possibly_sent)s::boolean,
         %(attempts)s::integer, 0, false, %(owner)s, {_now_plus("lease_s")},
         {_now_plus("lease_s")}, 1, statement_timestamp(), statement_timestamp())
-    ON CONFLICT (tenant_id, operation, idempotency_key) DO NOTHING
+    ON CONFLICT (tenant_id, operation, idempotency_key) DO NOTHING"""  # noqa: S608
+CLAIM_REPLAY = f"""UPDATE {_OPS} SET replays = replays + 1, last_replayed_at = statement_timestamp()
+    WHERE {_NAMESPACE} AND fingerprint = %(fingerprint)s AND state IN ({_TERMINAL})
+        AND reaped_at IS NULL"""  # noqa: S608
+CLAIM_ROW = f"SELECT {_COLS}, statement_timestamp() FROM {_OPS} WHERE {_NAMESPACE}"  # noqa: S608
+REREAD_REPLAY = f"""UPDATE {_OPS} SET replays = replays + %(replays)s,
+        last_replayed_at = statement_timestamp()
+    WHERE tenant_id = %(tenant_id)s AND id = %(id)s AND fingerprint = %(fingerprint)s
+        AND state IN ({_TERMINAL}) AND reaped_at IS NULL"""  # noqa: S608
+REREAD_ROW = f"SELECT {_COLS} FROM {_OPS} WHERE tenant_id = %(tenant_id)s AND id = %(id)s"  # noqa: S608
+
+
+def event_insert(values: str) -> str:
+    """An event row's INSERT, from ``values`` (a VALUES list or a SELECT)."""
+    return f"INSERT INTO {_EVENTS} ({_EVENT_COLUMNS}, created_at) {values}"
+
+
+# The claim with its event, or the replay it counts, or the row as it stands: one statement.
+# All of its parts see one snapshot: a conflicting row committed after it began (a racing
+# duplicate) is seen by none of them, and the statement returns no row at all; the caller
+# then reads it with fresh statements.
+_CLAIMED_EVENT = event_insert(
+    "SELECT tenant_id, %(event_id)s, id, 'claimed', %(owner)s, NULL, 'in_progress', version, "
+    "%(detail)s::json, statement_timestamp() FROM ins"
+)
+PG_CLAIM = f"""WITH ins AS (
+    {CLAIM_INSERT}
     RETURNING {_COLS}
 ), ev AS (
-    INSERT INTO {_EVENTS} ({_EVENT_COLUMNS}, created_at)
-    SELECT tenant_id, %(event_id)s, id, 'claimed', %(owner)s, NULL, 'in_progress', version,
-        %(detail)s::json, statement_timestamp() FROM ins
+    {_CLAIMED_EVENT}
 ), rep AS (
-    UPDATE {_OPS} SET replays = replays + 1, last_replayed_at = statement_timestamp()
-    WHERE {_NAMESPACE} AND fingerprint = %(fingerprint)s AND state IN ({_TERMINAL})
-        AND reaped_at IS NULL AND NOT EXISTS (SELECT FROM ins)
+    {CLAIM_REPLAY} AND NOT EXISTS (SELECT FROM ins)
     RETURNING {_COLS}
 )
 SELECT {PG_CLAIMED}, {_COLS}, statement_timestamp(), NULL FROM ins
@@ -289,9 +314,7 @@ UNION ALL SELECT {PG_EXISTING}, {_COLS}, statement_timestamp(), NULL FROM {_OPS}
 
 # A waiter's look at the operation it waits for: counted as a replay if it is one by now.
 PG_REREAD = f"""WITH rep AS (
-    UPDATE {_OPS} SET replays = replays + %(replays)s, last_replayed_at = statement_timestamp()
-    WHERE tenant_id = %(tenant_id)s AND id = %(id)s AND fingerprint = %(fingerprint)s
-        AND state IN ({_TERMINAL}) AND reaped_at IS NULL
+    {REREAD_REPLAY}
     RETURNING {_COLS}
 )
 SELECT {PG_REPLAYED}, {_COLS}, statement_timestamp(), {_ASYNC_COMMIT} FROM rep
@@ -410,11 +433,15 @@ def pg_transition_sql(shape: tuple[Any, ...]) -> str:
     return f"""WITH upd AS (
     {pg_update_sql(shape)}
 ), ev AS (
-    INSERT INTO {_EVENTS} ({_EVENT_COLUMNS}, created_at)
-    SELECT tenant_id, %(e_id)s, id, %(e_kind)s, %(e_actor)s, %(e_from_state)s, state, version,
-        %(e_detail)s::json, statement_timestamp() FROM upd
+    {_TRANSITION_EVENT}
 )
 SELECT {_COLS}{note} FROM upd"""  # noqa: S608
+
+
+_TRANSITION_EVENT = event_insert(
+    "SELECT tenant_id, %(e_id)s, id, %(e_kind)s, %(e_actor)s, %(e_from_state)s, state, version, "
+    "%(e_detail)s::json, statement_timestamp() FROM upd"
+)
 
 
 def new_id() -> str:

@@ -29,6 +29,7 @@ from payorch.execution._executor import Executor
 from payorch.operations import default_registry
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
+from payorch.records import NewOperation
 from payorch.storage._distribution import DISTRIBUTED_TABLES, read_placement
 from payorch.storage._store import Store
 from payorch.storage._waiting import NOTIFY_CHANNEL
@@ -154,18 +155,23 @@ def test_sixteen_racing_duplicates_of_one_key_make_one_effect(
     assert len(sandbox.ledger()) == 1 and money(sandbox, store, "race", ids.pop()) == 1
 
 
-def test_a_waiter_hears_the_outcome_from_the_coordinator(
-    store: Store, citus: str, sandbox_provider: SandboxProvider
-) -> None:
+def test_a_waiter_hears_the_outcome_from_the_coordinator(store: Store, citus: str) -> None:
     """The waiters' NOTIFY is sent where they listen (a worker's would reach nobody)."""
     dsn = sa.make_url(citus).set(drivername="postgresql").render_as_string(hide_password=False)
+    new = NewOperation(
+        tenant_id="heard",
+        operation="payment.create",
+        idempotency_key="k",
+        fingerprint="f",
+        provider="sandbox",
+    )
     with psycopg.connect(dsn, autocommit=True) as listen:
         listen.execute(f"LISTEN {NOTIFY_CHANNEL}")
-        outcome = executor(store, sandbox_provider).execute(
-            tenant_id="heard", operation="payment.create", idempotency_key="k", request=PAYMENT
-        )
+        op = store.claim(new, owner="holder", lease=timedelta(seconds=30)).operation
+        assert store.flag_waiting(op) is not None  # as a waiter does, once it listens
+        store.transition(op, State.SUCCEEDED, kind="provider_answer", actor="holder")
         heard = [n.payload for n in listen.notifies(timeout=10, stop_after=1)]
-    assert heard == [f"heard:{outcome.operation_id}"]
+    assert heard == [f"heard:{op.id}"]
 
 
 def test_the_reconciler_settles_unknowns_of_many_tenants(

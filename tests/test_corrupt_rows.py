@@ -93,12 +93,20 @@ def raw(store: Store, op_id: str) -> tuple[bool, str | None, bool]:
 
 
 def kinds(store: Store, op_id: str) -> list[str]:
+    """The kinds of the operation's events as stored (read raw: its row may be corrupt): the
+    claim's and the answer's kept on the row, then the event rows."""
+    o = operations.c
     with store.engine.connect() as conn:
-        return list(
-            conn.execute(
-                sa.select(events.c.kind).where(events.c.operation_id == op_id).order_by(events.c.id)
-            ).scalars()
-        )
+        claim, answer = conn.execute(
+            sa.select(
+                sa.cast(o.claim_event, sa.Text).is_not(None), sa.cast(o.answer_event, sa.Text)
+            ).where(o.id == op_id)
+        ).one()
+        rows = conn.execute(
+            sa.select(events.c.kind).where(events.c.operation_id == op_id).order_by(events.c.id)
+        ).scalars()
+        kept = (["claimed"] if claim else []) + ([json.loads(answer)["kind"]] if answer else [])
+        return kept + list(rows)
 
 
 def reconciler(store: Store, batch: int = 50) -> Reconciler:
@@ -224,18 +232,27 @@ def test_replaying_a_corrupt_namespace_raises_a_typed_error_and_never_a_new_key(
     assert kinds(store, done.id) == ["claimed", "provider_answer"]  # nothing was written
 
 
-def test_a_corrupt_event_is_a_typed_error(store: Store) -> None:
+@pytest.mark.parametrize(
+    ("table", "column", "key"),
+    [
+        ("payorch_events", "detail", "operation_id"),  # an event row
+        ("payorch_operations", "claim_event", "id"),  # the claim's event, kept on the row
+    ],
+)
+def test_a_corrupt_event_is_a_typed_error(store: Store, table: str, column: str, key: str) -> None:
     record = abandoned(store, "k1")
+    store.append_event(record, kind="operator_note", actor="operator:ann", detail={"n": 1})
     text = '"not an object"' if store.is_postgres else "{broken"
     value = "CAST(:v AS json)" if store.is_postgres else ":v"
     with store.engine.begin() as conn:
-        conn.execute(
-            sa.text(f"UPDATE payorch_events SET detail = {value} WHERE operation_id = :id"),
+        changed = conn.execute(
+            sa.text(f"UPDATE {table} SET {column} = {value} WHERE {key} = :id"),
             {"v": text, "id": record.id},
-        )
+        ).rowcount
+    assert changed == 1
     with pytest.raises(CorruptRecord) as caught:
         store.events("shop", record.id)
-    assert caught.value.operation_id == record.id and "detail" in caught.value.problem
+    assert caught.value.operation_id == record.id and column in caught.value.problem
 
 
 def test_every_record_field_is_checked() -> None:

@@ -281,7 +281,7 @@ def test_find_by_reference_reads_the_reference_index(big: Store) -> None:
         return found
 
     query = one(sent_by(big, find), "FROM payorch_operations")
-    assert_reads_index(big, query, "ix_payorch_operations_reference")
+    assert_reads_index(big, query, "ix_payorch_operations_provider_reference")
 
 
 def test_find_by_key_reads_the_namespace_index(big: Store) -> None:

@@ -85,12 +85,8 @@ def raw_row(store: Store, op_id: str) -> Any:
 
 
 def event_rows(store: Store, op_id: str) -> list[Any]:
-    with store.engine.connect() as conn:
-        return list(
-            conn.execute(
-                sa.select(events).where(events.c.operation_id == op_id).order_by(events.c.id)
-            )
-        )
+    """The operation's audit trail: its event rows and the events kept on its row."""
+    return list(store.events(store.find(op_id).tenant_id, op_id))
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from payorch.execution._executor import Executor, RetryPolicy
 from payorch.providers.adyen.emulator import AdyenEmulator
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.storage._store import Store
-from payorch.storage._tables import events
+from payorch.storage._tables import operations
 from payorch.testing import Fault
 
 PAYORCH = Path(sys.executable).with_name("payorch")
@@ -233,11 +233,11 @@ def test_an_operation_whose_first_request_was_not_kept_is_never_re_sent(
     nothing is recorded as the operation's outcome, and a human is asked."""
     op_id = unknown_adyen_payment(store, adyen_emulator, "adyen-lost-1")
     with store.engine.begin() as conn:  # as for an operation claimed before requests were kept
-        e = events.c
+        o = operations.c  # the claim's event is kept on the row (claim_event)
         conn.execute(
-            sa.update(events)
-            .where(e.operation_id == op_id, e.kind == "claimed")
-            .values(detail={"idempotency_key": "adyen-lost-1"})
+            sa.update(operations)
+            .where(o.id == op_id)
+            .values(claim_event={"actor": "app", "detail": {}})
         )
     sent = len(adyen_emulator.received)
     env = adyen_settings(adyen_emulator)
@@ -278,11 +278,8 @@ def test_a_request_that_hides_a_sensitive_value_keeps_no_wire_request(
         idempotency_key="card-1",
         request={"amount": 100, "currency": "EUR", "card_number": "4242424242424242"},
     )
-    with store.engine.connect() as conn:
-        details = conn.execute(
-            sa.select(events.c.detail).where(events.c.operation_id == outcome.operation_id)
-        ).scalars()
-        text = json.dumps(list(details))
+    details = [e.detail for e in store.events("shop", outcome.operation_id)]  # rows and kept
+    text = json.dumps(details)
     assert "4242424242424242" not in text and '"wire"' not in text
     assert len(sandbox.effects_for(store.get("shop", outcome.operation_id).downstream_key)) == 1
 

@@ -244,6 +244,7 @@ def submit_and_record(
                 actor=owner,
                 detail=detail,
                 next_check_in=decision.next_check_in,
+                first_answer=True,  # uneventful (terminal, right after the claim): on the row
                 **values,
             )
         except StaleVersion:

@@ -251,6 +251,65 @@ class OperationRecord:
         return cls._checked(values)
 
     @classmethod
+    def claimed(
+        cls,
+        new: NewOperation,
+        *,
+        op_id: str,
+        owner: str,
+        possibly_sent: bool,
+        request: Mapping[str, Any] | None,
+        created_at: datetime,
+        lease_expires_at: datetime,
+    ) -> OperationRecord:
+        """The record a claim just inserted, from what it sent and what the database
+        stamped (``created_at``, ``lease_expires_at``): what reading the row would give.
+        ``request``: as it reads back (decoded JSON)."""
+        values: dict[str, Any] = {
+            "tenant_id": new.tenant_id,
+            "id": op_id,
+            "operation": new.operation,
+            "idempotency_key": new.idempotency_key,
+            "fingerprint": new.fingerprint,
+            "state": State.IN_PROGRESS,
+            "provider": new.provider,
+            "downstream_key": new.downstream_key,
+            "provider_reference": None,
+            "amount": new.amount,
+            "currency": new.currency,
+            "request": request,
+            "response": None,
+            "error_code": None,
+            "resolution": None,
+            "retention_seconds": int(new.retention.total_seconds()),
+            "possibly_sent": possibly_sent,
+            "attempts": 1 if possibly_sent else 0,
+            "checks": 0,
+            "next_check_at": lease_expires_at,
+            "needs_attention": False,
+            "lease_owner": owner,
+            "lease_expires_at": lease_expires_at,
+            "version": 1,
+            "created_at": created_at,
+            "updated_at": created_at,
+            "completed_at": None,
+            "retain_until": None,
+            "reaped_at": None,
+        }
+        record = object.__new__(cls)
+        record.__dict__.update(values)
+        return record
+
+    def written(self, values: Mapping[str, Any]) -> OperationRecord:
+        """This record after a fenced write that set ``values`` (each as it reads back)
+        and moved the version by one."""
+        record = object.__new__(type(self))
+        record.__dict__.update(self.__dict__)
+        record.__dict__.update(values)
+        record.__dict__["version"] = self.version + 1
+        return record
+
+    @classmethod
     def _checked(cls, values: dict[str, Any]) -> OperationRecord:
         problem = _problem(values, _OPERATION_SHAPE)
         if problem is None:

@@ -27,28 +27,30 @@ from ._statements import (
     CLAIM_INSERT,
     CLAIM_REPLAY,
     CLAIM_ROW,
+    CLAIMED_COLUMNS,
+    FLAG_WAITING,
     PG_CLAIMED,
     PG_EXISTING,
     PG_NOTIFY,
     PG_REPLAYED,
     REREAD_REPLAY,
     REREAD_ROW,
+    UPDATED_COLUMNS,
+    Shape,
     event_insert,
     pg_update_sql,
 )
 
-__all__ = ["claim", "reread", "reread_for", "transition"]
+__all__ = ["claim", "flag_waiting", "reread", "reread_for", "transition"]
 
 # The parts PG_CLAIM and PG_REREAD join, apart. RETURNING: the columns, then the time the
 # write stamped (Citus refuses a function there).
 _COLS = ", ".join(OPERATION_COLUMNS)
-_CLAIM_INSERT = f"{CLAIM_INSERT}\nRETURNING {_COLS}, updated_at"
-_CLAIM_EVENT = event_insert(
-    "VALUES (%(tenant_id)s, %(event_id)s, %(id)s, 'claimed', %(owner)s, NULL, 'in_progress', 1, "
-    "%(detail)s::json, statement_timestamp())"
-)
+_CLAIM_INSERT = f"{CLAIM_INSERT}\nRETURNING {', '.join(CLAIMED_COLUMNS)}"
 _CLAIM_REPLAY = f"{CLAIM_REPLAY}\nRETURNING {_COLS}, last_replayed_at"
+_FLAGGED_ROW = REREAD_ROW.replace("SELECT ", "SELECT waited, ", 1)
 _REREAD_REPLAY = f"{REREAD_REPLAY}\nRETURNING {_COLS}"
+_WAITED = UPDATED_COLUMNS.index("waited")
 _TRANSITION_EVENT = event_insert(
     "VALUES (%(w_tenant_id)s, %(e_id)s, %(w_id)s, %(e_kind)s, %(e_actor)s, %(e_from_state)s, "
     "%(u_state)s, %(w_version)s::integer + 1, %(e_detail)s::json, statement_timestamp())"
@@ -56,20 +58,32 @@ _TRANSITION_EVENT = event_insert(
 
 
 def claim(engine: Engine, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
-    """The claim and its event, or the replay counted, or the row as it stands, in one
+    """The claim, or the replay counted, or the row as it stands, in one
     transaction; a row shaped as ``PG_CLAIM``'s (kind, columns, time), or None if the
     namespace held no row either time it looked (reaped meanwhile)."""
 
     def txn(conn: Connection) -> tuple[Any, ...] | None:
         row = conn.exec_driver_sql(_CLAIM_INSERT, params).first()
-        if row is not None:
-            conn.exec_driver_sql(_CLAIM_EVENT, params)
-            return (PG_CLAIMED, *row)
+        if row is not None:  # shaped as PG_CLAIM's claimed row: the stamped columns only
+            stamped = dict(zip(CLAIMED_COLUMNS, row, strict=True))
+            return (PG_CLAIMED, *(stamped.get(c) for c in OPERATION_COLUMNS), stamped["created_at"])
         row = conn.exec_driver_sql(_CLAIM_REPLAY, params).first()
         if row is not None:
             return (PG_REPLAYED, *row)
         row = conn.exec_driver_sql(CLAIM_ROW, params).first()
         return (PG_EXISTING, *row) if row is not None else None
+
+    return run_in_transaction(engine, txn)
+
+
+def flag_waiting(engine: Engine, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    """``PG_FLAG_WAITING``'s parts in one transaction: the mark, then the row as it stands
+    (under our row lock if we marked it); shaped as its row (the mark holds, the columns)."""
+
+    def txn(conn: Connection) -> tuple[Any, ...] | None:
+        conn.exec_driver_sql(FLAG_WAITING, params)
+        row = conn.exec_driver_sql(_FLAGGED_ROW, params).first()
+        return tuple(row) if row is not None else None
 
     return run_in_transaction(engine, txn)
 
@@ -102,24 +116,24 @@ def reread_for(driver_connection: Any, params: Mapping[str, Any]) -> tuple[Any, 
 def transition(
     engine: Engine,
     cache: dict[Any, str],
-    shape: tuple[Any, ...],
+    shape: Shape,
     params: Mapping[str, Any],
 ) -> tuple[Any, ...] | None:
-    """The fenced UPDATE of ``shape``, its event and, when the shape says so, the waiters'
-    NOTIFY, in one transaction; the columns as the UPDATE returned them, or None if the
-    version moved."""
+    """The fenced UPDATE of ``shape``, its event (unless kept on the row) and, when the
+    shape says so and someone waits, the waiters' NOTIFY, in one transaction;
+    ``UPDATED_COLUMNS`` as the UPDATE returned them, or None if the version moved."""
     key = ("citus", shape)
     sql = cache.get(key)
     if sql is None:
         sql = cache[key] = pg_update_sql(shape)
-    notify = shape[-1]
 
     def txn(conn: Connection) -> tuple[Any, ...] | None:
         row = conn.exec_driver_sql(sql, params).first()
         if row is None:
             return None
-        conn.exec_driver_sql(_TRANSITION_EVENT, params)
-        if notify:
+        if shape.event:
+            conn.exec_driver_sql(_TRANSITION_EVENT, params)
+        if shape.notify and row[_WAITED]:
             conn.exec_driver_sql(PG_NOTIFY, params)
         return tuple(row)
 

@@ -15,28 +15,35 @@ from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
 
+from ..core import State
 from ..errors import CorruptRecord, StaleVersion, StorageError
 from ..records import OPERATION_COLUMNS, NewOperation, OperationRecord
 from . import _citus_writes as citus_writes
 from ._claims import claim_detail
 from ._distribution import is_distributed
 from ._engine import run_in_transaction, run_sql, run_sql_rows
+from ._folded import claim_event
 from ._replication import gate
 from ._statements import (
     PG_CLAIM,
     PG_CLAIM_DUE,
     PG_CLAIM_DUE_TENANTS,
+    PG_CLAIMED,
     PG_DUE_CANDIDATES,
     PG_DUE_CANDIDATES_TENANTS,
+    PG_FLAG_WAITING,
     PG_LEASE_LOCKED,
     PG_LOCK_CANDIDATES,
     PG_REREAD,
+    UPDATED_COLUMNS,
+    Shape,
     pg_transition_sql,
 )
 
 __all__ = [
     "claim",
     "claim_due",
+    "flag_waiting",
     "json_param",
     "reread",
     "reread_for",
@@ -45,11 +52,16 @@ __all__ = [
 ]
 
 _NOW = len(OPERATION_COLUMNS) + 1  # after the kind and the columns: the database time
+_LEASE_AT = OPERATION_COLUMNS.index("lease_expires_at") + 1
 
 
 def json_param(value: Any) -> str:
-    """A JSON parameter as SQLAlchemy's JSON type writes it (``None`` as JSON null)."""
-    return json.dumps(dict(value) if isinstance(value, Mapping) else value)
+    """A JSON parameter (``None`` as JSON null, as SQLAlchemy's JSON type writes it),
+    compact: it is stored as written."""
+    return json.dumps(dict(value) if isinstance(value, Mapping) else value, separators=_COMPACT)
+
+
+_COMPACT = (",", ":")
 
 
 def claim(
@@ -57,7 +69,6 @@ def claim(
     new: NewOperation,
     *,
     op_id: str,
-    event_id: str,
     owner: str,
     lease_s: float,
     possibly_sent: bool,
@@ -68,6 +79,7 @@ def claim(
     ``SyncStandbyUnavailable`` (nothing sent) if the store requires a synchronous standby
     and none streams.
     """
+    request = json_param(new.request)
     params = {
         "tenant_id": new.tenant_id,
         "id": op_id,
@@ -78,14 +90,13 @@ def claim(
         "downstream_key": new.downstream_key,
         "amount": new.amount,
         "currency": new.currency,
-        "request": json_param(new.request),
+        "request": request,
         "retention_seconds": int(new.retention.total_seconds()),
         "possibly_sent": possibly_sent,
         "attempts": 1 if possibly_sent else 0,
         "owner": owner,
         "lease_s": lease_s,
-        "event_id": event_id,
-        "detail": json_param(claim_detail(new)),
+        "claim_event": json_param(claim_event(owner, claim_detail(new))),
     }
     gate(engine)  # with PAYORCH_REQUIRE_SYNC_STANDBY: no claim without a synchronous standby
     if is_distributed(engine):
@@ -94,7 +105,19 @@ def claim(
         row = run_sql(engine, PG_CLAIM, params)
     if row is None:
         return None
-    return row[0], OperationRecord.from_pg(row[1:]), row[_NOW].astimezone(UTC)
+    now = row[_NOW].astimezone(UTC)
+    if row[0] != PG_CLAIMED:
+        return row[0], OperationRecord.from_pg(row[1:]), now
+    record = OperationRecord.claimed(
+        new,
+        op_id=op_id,
+        owner=owner,
+        possibly_sent=possibly_sent,
+        request=json.loads(request),  # as the row reads back
+        created_at=now,
+        lease_expires_at=row[_LEASE_AT].astimezone(UTC),
+    )
+    return PG_CLAIMED, record, now
 
 
 def reread(engine: Engine, record: OperationRecord, replays: int = 1) -> OperationRecord:
@@ -104,6 +127,20 @@ def reread(engine: Engine, record: OperationRecord, replays: int = 1) -> Operati
         return _reread_record(citus_writes.reread(engine, params), record)
     # A lost answer only leaves a replay count in doubt: nothing to tell the client.
     return _reread_record(run_sql(engine, PG_REREAD, params, write=False), record)
+
+
+def flag_waiting(engine: Engine, record: OperationRecord) -> OperationRecord | None:
+    """``PG_FLAG_WAITING`` (Citus: its two parts in one transaction): the operation as read,
+    if it is in progress and marked as waited on, else None."""
+    params = {"tenant_id": record.tenant_id, "id": record.id}
+    if is_distributed(engine):
+        row = citus_writes.flag_waiting(engine, params)
+    else:
+        row = run_sql(engine, PG_FLAG_WAITING, params)
+    if row is None or not row[0]:
+        return None
+    found = OperationRecord.from_pg(row[1:])
+    return found if found.state is State.IN_PROGRESS else None
 
 
 def reread_for(driver_connection: Any, record: OperationRecord, waiters: int) -> OperationRecord:
@@ -138,29 +175,36 @@ def _reread_params(record: OperationRecord, replays: int) -> dict[str, Any]:
 
 def transition(
     engine: Engine,
-    cache: dict[tuple[Any, ...], str],
+    cache: dict[Any, str],
     record: OperationRecord,
     *,
-    shape: tuple[Any, ...],
+    shape: Shape,
     params: Mapping[str, Any],
-    event: Mapping[str, Any],
+    event: Mapping[str, Any] | None,
     distributed: bool = False,
 ) -> OperationRecord:
     """``pg_transition_sql(shape)`` (built once per shape, kept in ``cache``): the fenced
-    UPDATE with the store's ``params``, its event (``event``: id, kind, actor, detail) and
-    the NOTIFY; StaleVersion if the version moved. ``distributed`` (Citus): the same as
-    single-shard statements in one transaction (:mod:`payorch.storage._citus_writes`)."""
-    params = {
-        **params,
-        "e_id": event["id"],
-        "e_kind": event["kind"],
-        "e_actor": event["actor"],
-        "e_from_state": record.state.value,
-        "e_detail": json_param(event["detail"]),
-    }
-    for name in ("u_response", "u_request"):  # SQL text: JSON as text, as SQLAlchemy's would
-        if name in params:
-            params[name] = json_param(params[name])
+    UPDATE with the store's ``params``, its event (``event``: id, kind, actor, detail; None
+    when the shape keeps it on the row) and the NOTIFY if anyone waits; StaleVersion if the
+    version moved. ``distributed`` (Citus): the same as single-shard statements in one
+    transaction (:mod:`payorch.storage._citus_writes`)."""
+    params = dict(params)
+    if event is not None:
+        params.update(
+            e_id=event["id"],
+            e_kind=event["kind"],
+            e_actor=event["actor"],
+            e_from_state=record.state.value,
+            e_detail=json_param(event["detail"]),
+        )
+    written: dict[str, Any] = {}
+    for name in shape.plain:  # what the write sets, as the row will read back
+        value = params[f"u_{name}"]
+        if name in _JSON:  # SQL text: JSON as text, as SQLAlchemy's would
+            text = params[f"u_{name}"] = json_param(value)
+            value = json.loads(text) if name != "answer_event" else None
+        if name != "answer_event":
+            written[name] = value
     if distributed:
         row = citus_writes.transition(engine, cache, shape, params)
     else:
@@ -173,7 +217,18 @@ def transition(
             f"operation {record.id} changed since version {record.version}",
             operation_id=record.id,
         )
-    return OperationRecord.from_pg(row)
+    written["state"] = State(params["u_state"])
+    if not shape.lease:
+        written["lease_owner"] = None
+    for name, value in zip(UPDATED_COLUMNS[:-1], row, strict=False):
+        stamped = value
+        if value is not None and value.__class__ is datetime and value.tzinfo is not UTC:
+            stamped = value.astimezone(UTC)
+        written[name] = stamped
+    return record.written(written)
+
+
+_JSON = frozenset({"response", "request", "answer_event"})
 
 
 Unreadable = tuple[CorruptRecord, tuple[str, str, int]]  # the error; tenant, id, version

@@ -13,6 +13,7 @@ from ..core import canonical_idempotency_key
 from ..errors import OperationNotFound
 from ..records import EventRecord, OperationRecord
 from ._engine import read_in_transaction
+from ._folded import FOLDED_COLUMNS, merged, unfold
 from ._tables import db_now, events, operations
 
 if TYPE_CHECKING:
@@ -102,8 +103,10 @@ class Reads:
 
     def events(self, tenant_id: str, operation_id: str) -> list[EventRecord]:
         """The operation's timeline, in the order its events were written (see
-        :func:`timeline_order`), whatever the writing hosts' clocks said."""
+        :func:`timeline_order`), whatever the writing hosts' clocks said: its event rows
+        and the events kept on its row (see ``_folded.py``)."""
         order = timeline_order(self.engine.dialect.name)
+        t = operations.c
 
         def read(conn: Connection) -> list[EventRecord]:
             rows = conn.execute(
@@ -111,7 +114,17 @@ class Reads:
                 .where(events.c.tenant_id == tenant_id, events.c.operation_id == operation_id)
                 .order_by(*order)
             ).mappings()
-            return [EventRecord.from_row(r) for r in rows]
+            logged = [EventRecord.from_row(r) for r in rows]
+            row = (
+                conn.execute(
+                    sa.select(*(t[name] for name in FOLDED_COLUMNS)).where(
+                        t.tenant_id == tenant_id, t.id == operation_id
+                    )
+                )
+                .mappings()
+                .first()
+            )
+            return merged(unfold(row), logged) if row is not None else logged
 
         return read_in_transaction(self.engine, read)
 

@@ -35,6 +35,13 @@ class Replays:
         only leaves the count in doubt."""
         pg_writes.reread(self.engine, record, replays)
 
+    def flag_waiting(self, record: OperationRecord) -> OperationRecord | None:
+        """Mark ``record`` as waited on (its write out of ``in_progress`` then sends the
+        NOTIFY its waiters sleep on) and read it: the record if it is in progress and the
+        NOTIFY is sure to come, else None (read it again: it moved). PostgreSQL only; call
+        it once LISTEN is registered for it (see :mod:`payorch.storage._waiting`)."""
+        return pg_writes.flag_waiting(self.engine, record)
+
     def _reread(self, record: OperationRecord) -> OperationRecord:
         """``record`` as it is now, its replay counted if it is terminal (a waiter's look):
         one statement on PostgreSQL."""

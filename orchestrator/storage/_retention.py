@@ -27,6 +27,7 @@ from sqlalchemy.engine import Connection
 from ..errors import InvalidRequest
 from ._distribution import is_distributed
 from ._engine import read_in_transaction, run_in_transaction
+from ._folded import stripped
 from ._store import Store, new_id
 from ._tables import TERMINAL_STATE_VALUES, db_now, events, operations, webhook_inbox
 
@@ -118,6 +119,8 @@ def _due(conn: Connection, tenant_id: str, limit: int) -> list[Any]:
                 t.fingerprint,
                 t.state,
                 t.retain_until,
+                t.claim_event,
+                t.answer_event,
             )
             .where(
                 t.tenant_id == tenant_id,
@@ -171,6 +174,9 @@ def _reap_rows(conn: Connection, rows: list[Any], actor: str) -> tuple[list[Tomb
     reaped: list[Tombstone] = []
     skipped = 0
     for row in rows:
+        # The events kept on the row lose their bodies like the event rows (_folded.py).
+        claim, claim_stripped = stripped(row["claim_event"])
+        answer, answer_stripped = stripped(row["answer_event"])
         updated = conn.execute(
             sa.update(operations)
             .where(
@@ -184,6 +190,8 @@ def _reap_rows(conn: Connection, rows: list[Any], actor: str) -> tuple[list[Tomb
             .values(
                 request=sa.null(),
                 response=sa.null(),
+                claim_event=claim if claim is not None else sa.null(),
+                answer_event=answer if answer is not None else sa.null(),
                 reaped_at=db_now(),
                 version=t.version + 1,
                 updated_at=db_now(),
@@ -194,6 +202,7 @@ def _reap_rows(conn: Connection, rows: list[Any], actor: str) -> tuple[list[Tomb
             skipped += 1
             continue
         cleared = _strip_evidence(conn, row["tenant_id"], row["id"])
+        cleared["event_details"] += claim_stripped + answer_stripped
         conn.execute(
             sa.insert(events).values(
                 tenant_id=row["tenant_id"],

@@ -10,7 +10,7 @@ from sqlalchemy.engine import Connection
 from ..provider import WireRequest
 from ..records import OperationRecord
 from ._engine import read_in_transaction
-from ._tables import events
+from ._tables import events, operations
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -39,7 +39,15 @@ def sent_wire(engine: Engine, record: OperationRecord) -> WireRequest | None:
     )
 
     def read(conn: Connection) -> object:
-        return conn.execute(query).scalar()
+        found = conn.execute(query).scalar()
+        if found is not None:
+            return found
+        # The claim's own event is kept on the row (see _folded.py): its detail is there.
+        o = operations.c
+        kept = conn.execute(
+            sa.select(o.claim_event).where(o.tenant_id == record.tenant_id, o.id == record.id)
+        ).scalar()
+        return kept.get("detail") if isinstance(kept, dict) else None
 
     detail = read_in_transaction(engine, read)
     wire = WireRequest.from_stored(detail.get("wire")) if isinstance(detail, dict) else None

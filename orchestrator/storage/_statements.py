@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 import uuid6
@@ -32,10 +32,12 @@ from ._tables import (
 )
 
 __all__ = [
+    "CLAIMED_COLUMNS",
     "CLAIM_INSERT",
     "CLAIM_REPLAY",
     "CLAIM_ROW",
     "EVENT_INSERT",
+    "FLAG_WAITING",
     "PG_CLAIM",
     "PG_CLAIMED",
     "PG_CLAIM_DUE",
@@ -43,6 +45,7 @@ __all__ = [
     "PG_DUE_CANDIDATES",
     "PG_DUE_CANDIDATES_TENANTS",
     "PG_EXISTING",
+    "PG_FLAG_WAITING",
     "PG_LEASE_LOCKED",
     "PG_LOCK_CANDIDATES",
     "PG_NOTIFY",
@@ -52,6 +55,8 @@ __all__ = [
     "REPLAY_BY_NAMESPACE",
     "REREAD_REPLAY",
     "REREAD_ROW",
+    "UPDATED_COLUMNS",
+    "Shape",
     "add_event",
     "build_claim",
     "build_update",
@@ -84,6 +89,7 @@ def build_claim(insert: Any) -> Any:
             "possibly_sent",
             "attempts",
             "lease_owner",
+            "claim_event",
         )
     }
     lease_s = sa.bindparam("c_lease_s", type_=sa.Float)
@@ -196,9 +202,23 @@ def lease_row(
     return (OperationRecord.from_row(row), row["_now"]) if row is not None else None
 
 
-def build_update(shape: tuple[Any, ...], guard: sa.ColumnElement[bool] | None) -> Any:
+class Shape(NamedTuple):
+    """What one fenced write of an operation sets, and what goes with it: the statement's
+    form (built once per shape and kept)."""
+
+    plain: tuple[str, ...]  # columns set to a parameter each (u_<name>)
+    lease: bool  # (re)take the lease (u_lease_s), else release it
+    next_check: bool  # next_check_at from u_next_s
+    terminal: bool  # completed_at and retain_until stamped
+    attempts: bool  # attempts + u_attempts
+    checks: bool  # checks + u_checks
+    event: bool  # an event row (else it is kept on the row: answer_event)
+    notify: bool  # wake the operation's waiters, if any (the row's ``waited``)
+
+
+def build_update(shape: Shape, guard: sa.ColumnElement[bool] | None) -> Any:
     """The fenced UPDATE for one shape of transition (see ``Store.transition``)."""
-    plain, lease, next_check, terminal, attempts, checks, _notify = shape
+    plain, lease, next_check, terminal, attempts, checks = shape[:6]
     t = operations.c
     values: dict[str, Any] = {name: sa.bindparam(f"u_{name}", type_=t[name].type) for name in plain}
     values["state"] = sa.bindparam("u_state", type_=t.state.type)
@@ -267,12 +287,13 @@ _ASYNC_COMMIT = "set_config('synchronous_commit', 'off', true)"
 CLAIM_INSERT = f"""INSERT INTO {_OPS} (tenant_id, id, operation, idempotency_key, fingerprint,
         state, provider, downstream_key, amount, currency, request, retention_seconds,
         possibly_sent, attempts, checks, needs_attention, lease_owner, lease_expires_at,
-        next_check_at, version, created_at, updated_at)
+        next_check_at, version, created_at, updated_at, claim_event)
     VALUES (%(tenant_id)s, %(id)s, %(operation)s, %(idempotency_key)s, %(fingerprint)s,
         'in_progress', %(provider)s, %(downstream_key)s, %(amount)s::bigint, %(currency)s,
         %(request)s::json, %(retention_seconds)s::integer, %(possibly_sent)s::boolean,
         %(attempts)s::integer, 0, false, %(owner)s, {_now_plus("lease_s")},
-        {_now_plus("lease_s")}, 1, statement_timestamp(), statement_timestamp())
+        {_now_plus("lease_s")}, 1, statement_timestamp(), statement_timestamp(),
+        %(claim_event)s::json)
     ON CONFLICT (tenant_id, operation, idempotency_key) DO NOTHING"""  # noqa: S608
 CLAIM_REPLAY = f"""UPDATE {_OPS} SET replays = replays + 1, last_replayed_at = statement_timestamp()
     WHERE {_NAMESPACE} AND fingerprint = %(fingerprint)s AND state IN ({_TERMINAL})
@@ -290,24 +311,22 @@ def event_insert(values: str) -> str:
     return f"INSERT INTO {_EVENTS} ({_EVENT_COLUMNS}, created_at) {values}"
 
 
-# The claim with its event, or the replay it counts, or the row as it stands: one statement.
-# All of its parts see one snapshot: a conflicting row committed after it began (a racing
-# duplicate) is seen by none of them, and the statement returns no row at all; the caller
-# then reads it with fresh statements.
-_CLAIMED_EVENT = event_insert(
-    "SELECT tenant_id, %(event_id)s, id, 'claimed', %(owner)s, NULL, 'in_progress', version, "
-    "%(detail)s::json, statement_timestamp() FROM ins"
-)
+# The claim, or the replay it counts, or the row as it stands: one statement. All of its
+# parts see one snapshot: a conflicting row committed after it began (a racing duplicate) is
+# seen by none of them, and the statement returns no row at all; the caller then reads it
+# with fresh statements. A claim returns only what the database decided (its time and the
+# lease's end; the other columns NULL): the caller knows the rest, it sent it. Its event is
+# kept on the row (claim_event), not written as an event row.
+CLAIMED_COLUMNS = ("lease_expires_at", "created_at")  # what a claim reads back
+_CLAIMED_ROW = ", ".join(c if c in CLAIMED_COLUMNS else "NULL" for c in OPERATION_COLUMNS)
 PG_CLAIM = f"""WITH ins AS (
     {CLAIM_INSERT}
-    RETURNING {_COLS}
-), ev AS (
-    {_CLAIMED_EVENT}
+    RETURNING lease_expires_at, created_at
 ), rep AS (
     {CLAIM_REPLAY} AND NOT EXISTS (SELECT FROM ins)
     RETURNING {_COLS}
 )
-SELECT {PG_CLAIMED}, {_COLS}, statement_timestamp(), NULL FROM ins
+SELECT {PG_CLAIMED}, {_CLAIMED_ROW}, created_at, NULL FROM ins
 UNION ALL SELECT {PG_REPLAYED}, {_COLS}, statement_timestamp(), {_ASYNC_COMMIT} FROM rep
 UNION ALL SELECT {PG_EXISTING}, {_COLS}, statement_timestamp(), NULL FROM {_OPS}
     WHERE {_NAMESPACE} AND NOT EXISTS (SELECT FROM ins) AND NOT EXISTS (SELECT FROM rep)"""  # noqa: S608
@@ -320,6 +339,19 @@ PG_REREAD = f"""WITH rep AS (
 SELECT {PG_REPLAYED}, {_COLS}, statement_timestamp(), {_ASYNC_COMMIT} FROM rep
 UNION ALL SELECT {PG_EXISTING}, {_COLS}, statement_timestamp(), NULL FROM {_OPS}
     WHERE tenant_id = %(tenant_id)s AND id = %(id)s AND NOT EXISTS (SELECT FROM rep)"""  # noqa: S608
+
+# A waiter marks the operation it waits on (``waited``): its write out of in_progress then
+# sends the NOTIFY. The mark is written only once (by the first waiter); the row is read in
+# the statement's snapshot. First column: the mark holds (ours, or one committed before this
+# snapshot, which every later write of the row sees).
+FLAG_WAITING = f"""UPDATE {_OPS} SET waited = true
+    WHERE tenant_id = %(tenant_id)s AND id = %(id)s AND state = 'in_progress' AND NOT waited"""  # noqa: S608
+PG_FLAG_WAITING = f"""WITH f AS (
+    {FLAG_WAITING}
+    RETURNING 1
+)
+SELECT EXISTS (SELECT FROM f) OR waited, {_COLS} FROM {_OPS}
+    WHERE tenant_id = %(tenant_id)s AND id = %(id)s"""  # noqa: S608
 
 # The reconciler's lease of a batch: pick due operations (the active partial index, oldest
 # next check first, rows other reconcilers hold skipped) and lease them, one statement.
@@ -395,8 +427,8 @@ _CASTS = {
 PG_NOTIFY = "SELECT pg_notify(%(u_channel)s, %(w_tenant_id)s || ':' || %(w_id)s)"
 
 
-def _sets(shape: tuple[Any, ...]) -> str:
-    plain, lease, next_check, terminal, attempts, checks, _notify = shape
+def _sets(shape: Shape) -> str:
+    plain, lease, next_check, terminal, attempts, checks = shape[:6]
     values: dict[str, str] = {n: f"%(u_{n})s{_CASTS.get(n, '')}" for n in plain}
     values["state"] = "%(u_state)s"
     values["version"] = "version + 1"
@@ -418,29 +450,54 @@ def _sets(shape: tuple[Any, ...]) -> str:
     return ", ".join(f"{name} = {expr}" for name, expr in values.items())
 
 
-def pg_update_sql(shape: tuple[Any, ...]) -> str:
-    """:func:`build_update`'s UPDATE (same shape, same parameters) as SQL text, alone."""
+# What a fenced write reads back: what the database decided (its clock, the counters it
+# added to); the caller knows the rest, it sent it. ``waited``: whether to wake anyone.
+UPDATED_COLUMNS = (
+    "updated_at",
+    "lease_expires_at",
+    "next_check_at",
+    "completed_at",
+    "retain_until",
+    "attempts",
+    "checks",
+    "waited",
+)
+_UPDATED = ", ".join(UPDATED_COLUMNS)
+
+
+def pg_update_sql(shape: Shape) -> str:
+    """:func:`build_update`'s UPDATE (same shape, same parameters) as SQL text, alone;
+    RETURNING ``UPDATED_COLUMNS``."""
     return f"""UPDATE {_OPS} SET {_sets(shape)}
     WHERE tenant_id = %(w_tenant_id)s AND id = %(w_id)s AND version = %(w_version)s::integer
-    RETURNING {_COLS}"""  # noqa: S608
+    RETURNING {_UPDATED}"""  # noqa: S608
 
 
-def pg_transition_sql(shape: tuple[Any, ...]) -> str:
-    """:func:`pg_update_sql` with its event row and, when the shape says so, the waiters'
-    NOTIFY: one statement."""
-    # Waiters wake on the NOTIFY, sent when this commits.
-    note = ", pg_notify(%(u_channel)s, tenant_id || ':' || id)" if shape[-1] else ""
+def pg_transition_sql(shape: Shape) -> str:
+    """:func:`pg_update_sql` with its event row (unless kept on the row) and, when the shape
+    says so and someone waits, the waiters' NOTIFY: one statement."""
+    # Waiters wake on the NOTIFY, sent when this commits. Only for an operation someone
+    # waits on: a NOTIFY takes a lock held to the end of the commit, server-wide.
+    note = (
+        ", CASE WHEN waited THEN pg_notify(%(u_channel)s, %(w_tenant_id)s || ':' || %(w_id)s) END"
+        if shape.notify
+        else ""
+    )
+    event = (
+        f"""), ev AS (
+    {_TRANSITION_EVENT}"""
+        if shape.event
+        else ""
+    )
     return f"""WITH upd AS (
-    {pg_update_sql(shape)}
-), ev AS (
-    {_TRANSITION_EVENT}
-)
-SELECT {_COLS}{note} FROM upd"""  # noqa: S608
+    {pg_update_sql(shape)}, state, version
+{event})
+SELECT {_UPDATED}{note} FROM upd"""  # noqa: S608
 
 
 _TRANSITION_EVENT = event_insert(
-    "SELECT tenant_id, %(e_id)s, id, %(e_kind)s, %(e_actor)s, %(e_from_state)s, state, version, "
-    "%(e_detail)s::json, statement_timestamp() FROM upd"
+    "SELECT %(w_tenant_id)s, %(e_id)s, %(w_id)s, %(e_kind)s, %(e_actor)s, %(e_from_state)s, "
+    "state, version, %(e_detail)s::json, statement_timestamp() FROM upd"
 )
 
 
@@ -458,13 +515,14 @@ def add_event(
     from_state: State | None,
     to_state: State | None,
     detail: Mapping[str, Any] | None,
+    event_id: str | None = None,
 ) -> None:
     """Append one event of ``record`` inside the caller's transaction."""
     conn.execute(
         EVENT_INSERT,
         {
             "e_tenant_id": record.tenant_id,
-            "e_id": new_id(),
+            "e_id": event_id or new_id(),
             "e_operation_id": record.id,
             "e_kind": kind,
             "e_actor": actor,

@@ -40,6 +40,7 @@ from . import _replication as replication
 from ._claims import claim_detail, claim_uncertain, duplicate_kind, look_again_after
 from ._distribution import Placed, distributed_if_known
 from ._engine import create_engine, run_in_transaction, run_statement, schema_of
+from ._folded import claim_event
 from ._outbox import OutboxHooks
 from ._pooling import listen_dsn
 from ._reads import Reads
@@ -49,13 +50,14 @@ from ._statements import (
     PG_CLAIMED,
     PG_EXISTING,
     REPLAY_BY_NAMESPACE,
+    Shape,
     add_event,
     build_claim,
     new_id,
 )
 from ._tables import db_now, operations
 from ._transitions import Transitions
-from ._waiting import NOTIFY_CHANNEL, Listener, Mark, wait_until_settled
+from ._waiting import NOTIFY_CHANNEL, Listener, wait_until_settled
 from ._work_queue import QUARANTINE_EVENT, QUARANTINE_HOLD, WorkQueue
 
 __all__ = ["NOTIFY_CHANNEL", "QUARANTINE_EVENT", "QUARANTINE_HOLD", "Store", "new_id"]
@@ -83,8 +85,8 @@ class Store(Reads, Replays, Transitions, WorkQueue, SchemaCheck, Placed):
         self._claim_stmt = build_claim(
             postgresql.insert if self.dialect == "postgresql" else sqlite.insert
         )
-        self._updates: dict[tuple[Any, ...], Any] = {}
-        self._pg_updates: dict[tuple[Any, ...], str] = {}
+        self._updates: dict[Shape, Any] = {}
+        self._pg_updates: dict[Any, str] = {}
         self._listener: Listener | None = None
         self._listener_lock = threading.Lock()
         reset_in_child(self, Store._forget_listener)
@@ -222,15 +224,13 @@ class Store(Reads, Replays, Transitions, WorkQueue, SchemaCheck, Placed):
     ) -> ClaimResult:
         op_id = new_id()
         lease_s = lease.total_seconds()
-        # Before the read: a waiter need not look again if no NOTIFY for it came since.
-        since = self._listener.mark() if self._listener is not None and wait else None
         if self.is_postgres:
             fast = self._claim_pg(new, op_id, owner, lease_s, possibly_sent)
             if fast is not None:
                 record, created, lease_remaining = fast
                 if created:
                     return ClaimResult(operation=record, created=True)
-                return self._existing(record, new, lease_remaining, wait, since)
+                return self._existing(record, new, lease_remaining, wait)
 
         params = {
             "c_tenant_id": new.tenant_id,
@@ -249,6 +249,8 @@ class Store(Reads, Replays, Transitions, WorkQueue, SchemaCheck, Placed):
             "c_attempts": 1 if possibly_sent else 0,
             "c_lease_owner": owner,
             "c_lease_s": lease_s,
+            # The claim's event is kept on the row (see _folded.py), not as an event row.
+            "c_claim_event": claim_event(owner, claim_detail(new)),
         }
 
         replay_params = {
@@ -264,15 +266,6 @@ class Store(Reads, Replays, Transitions, WorkQueue, SchemaCheck, Placed):
             row = conn.execute(self._claim_stmt, params).mappings().first()
             if row is not None:
                 record = OperationRecord.from_row(row)
-                add_event(
-                    conn,
-                    record,
-                    kind="claimed",
-                    actor=owner,
-                    from_state=None,
-                    to_state=State.IN_PROGRESS,
-                    detail=claim_detail(new),
-                )
                 attempted.append((record, True, 0.0))
                 return record, True, 0.0
             # A replay (the common duplicate) is read and counted by one statement; only
@@ -324,23 +317,21 @@ class Store(Reads, Replays, Transitions, WorkQueue, SchemaCheck, Placed):
             record, created, lease_remaining = attempted[0]
         if created:
             return ClaimResult(operation=record, created=True)
-        return self._existing(record, new, lease_remaining, wait, since)
+        return self._existing(record, new, lease_remaining, wait)
 
     def _claim_pg(
         self, new: NewOperation, op_id: str, owner: str, lease_s: float, possibly_sent: bool
     ) -> tuple[OperationRecord, bool, float] | None:
-        """The claim on PostgreSQL: claim + event, or replay counted, or the row, in one
+        """The claim on PostgreSQL: the claim, or replay counted, or the row, in one
         statement committed on its own (one round trip). None when the statement could not
         decide (a racing duplicate it cannot see, or a replay it did not count): the caller
         then runs the general transaction."""
-        event_id = new_id()
         for _ in range(_PG_CLAIM_ATTEMPTS):
             try:
                 found = pg_writes.claim(
                     self.engine,
                     new,
                     op_id=op_id,
-                    event_id=event_id,
                     owner=owner,
                     lease_s=lease_s,
                     possibly_sent=possibly_sent,
@@ -386,7 +377,6 @@ class Store(Reads, Replays, Transitions, WorkQueue, SchemaCheck, Placed):
         new: NewOperation,
         lease_remaining: float,
         wait: timedelta | None,
-        since: Mark | None = None,
     ) -> ClaimResult:
         if record.reaped_at is not None:
             raise IdempotencyKeyExpired(
@@ -401,7 +391,7 @@ class Store(Reads, Replays, Transitions, WorkQueue, SchemaCheck, Placed):
             )
         if record.state is State.IN_PROGRESS and wait is not None and wait > timedelta(0):
             # Each look counts the replay the wait ends in, like any other replay.
-            record = wait_until_settled(self, record, wait, reread=self._reread, since=since)
+            record = wait_until_settled(self, record, wait, reread=self._reread)
             if record.state is State.IN_PROGRESS and record.lease_expires_at is not None:
                 lease_remaining = (record.lease_expires_at - self.db_time()).total_seconds()
         if record.terminal:

@@ -180,11 +180,28 @@ operations = sa.Table(
     # changes, not with client retries.
     sa.Column("replays", sa.Integer, nullable=False, server_default=sa.text("0")),
     sa.Column("last_replayed_at", UTCDateTime()),
+    # An uneventful operation's first two events, kept on its row instead of as event rows
+    # (see ``_folded.py``): the claim's (actor, extra detail) and the executor's terminal
+    # answer (id, kind, actor, detail), each written with the row's own write.
+    sa.Column("claim_event", StoredJSON()),
+    sa.Column("answer_event", StoredJSON()),
+    # Someone waits on this operation (a duplicate request, on LISTEN): only then does its
+    # write out of in_progress send a NOTIFY, which serialises commits server-wide.
+    sa.Column("waited", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.PrimaryKeyConstraint("tenant_id", "id", name="pk_payorch_operations"),
     sa.UniqueConstraint(
         "tenant_id", "operation", "idempotency_key", name="uq_payorch_operations_namespace"
     ),
-    sa.Index("ix_payorch_operations_reference", "tenant_id", "provider", "provider_reference"),
+    # Partial: a claim (no reference yet) adds no entry. ``provider_reference = x`` implies
+    # the predicate on both planners.
+    sa.Index(
+        "ix_payorch_operations_provider_reference",
+        "tenant_id",
+        "provider",
+        "provider_reference",
+        postgresql_where=sa.text("provider_reference IS NOT NULL"),
+        sqlite_where=sa.text("provider_reference IS NOT NULL"),
+    ),
     sa.Index("ix_payorch_operations_created", "tenant_id", "created_at"),
     # Webhooks find the operation by the downstream key that caused the event: since keys
     # come from the namespace, the key no longer names the operation id.

@@ -24,8 +24,9 @@ from ..errors import StaleVersion
 from ..records import OperationRecord
 from . import _pg_writes as pg_writes
 from ._engine import run_in_transaction
+from ._folded import answer_event
 from ._outbox import OutboxHooks, stage_settled, staging
-from ._statements import PG_NOTIFY, add_event, build_update, new_id
+from ._statements import PG_NOTIFY, Shape, add_event, build_update, new_id
 from ._tables import db_now, operations
 from ._waiting import NOTIFY_CHANNEL
 
@@ -43,8 +44,8 @@ class Transitions:
     if TYPE_CHECKING:
         engine: Engine
         outbox_hooks: OutboxHooks | None
-        _updates: dict[tuple[Any, ...], Any]
-        _pg_updates: dict[tuple[Any, ...], str]
+        _updates: dict[Shape, Any]
+        _pg_updates: dict[Any, str]
 
         @property
         def is_postgres(self) -> bool: ...
@@ -74,6 +75,7 @@ class Transitions:
         needs_attention: bool = _UNSET,
         also: Callable[[Connection, OperationRecord], None] | None = None,
         guard: sa.ColumnElement[bool] | None = None,
+        first_answer: bool = False,
     ) -> OperationRecord:
         """Move ``record`` to ``to_state`` if nobody wrote it since it was read.
 
@@ -99,21 +101,37 @@ class Transitions:
                 plain[name] = dict(value) if isinstance(value, Mapping) else value
         if lease is not None:
             plain["lease_owner"] = lease_owner
+        event_id = new_id()
+        event = {"id": event_id, "kind": kind, "actor": actor, "detail": detail}
+        kept = (  # an uneventful answer: terminal, right after the claim, not flagged
+            first_answer
+            and needs_attention is not True
+            and to_state.terminal
+            and record.state is State.IN_PROGRESS
+            and record.version == 1
+        )
+        if kept:
+            reference = provider_reference or record.provider_reference
+            plain["answer_event"] = answer_event(
+                record, kind, actor, detail, provider_reference=reference
+            )
         # Waiters only ever wait on in_progress: notify when an operation leaves it, or is
-        # released (nothing sent, no lease: a waiter may run it again).
+        # released (nothing sent, no lease: a waiter may run it again); and only if someone
+        # waits (the row's ``waited``, set by the waiter before it naps).
         notify = (
             self.is_postgres
             and record.state is State.IN_PROGRESS
             and (to_state is not State.IN_PROGRESS or (lease is None and possibly_sent is False))
         )
-        shape = (
-            tuple(sorted(plain)),
-            lease is not None,
-            next_check_in is not None,
-            to_state.terminal,
-            bool(attempts_delta),
-            bool(checks_delta),
-            notify,
+        shape = Shape(
+            plain=tuple(sorted(plain)),
+            lease=lease is not None,
+            next_check=next_check_in is not None,
+            terminal=to_state.terminal,
+            attempts=bool(attempts_delta),
+            checks=bool(checks_delta),
+            event=not kept,
+            notify=notify,
         )
         # The parameters of both forms of the write (pg_transition_sql and build_update).
         params: dict[str, Any] = {f"u_{k}": v for k, v in plain.items()}
@@ -131,14 +149,13 @@ class Transitions:
         )
         hooks = staging(self.outbox_hooks, record.operation, to_state)
         if self.is_postgres and guard is None and also is None and hooks is None:
-            event = {"id": new_id(), "kind": kind, "actor": actor, "detail": detail}
             return pg_writes.transition(
                 self.engine,
                 self._pg_updates,
                 record,
                 shape=shape,
                 params=params,
-                event=event,
+                event=event if shape.event else None,
                 distributed=self.distributed,
             )
         stmt = self._updates.get(shape) if guard is None else None
@@ -155,20 +172,22 @@ class Transitions:
                     operation_id=record.id,
                 )
             updated = OperationRecord.from_row(row)
-            add_event(
-                conn,
-                updated,
-                kind=kind,
-                actor=actor,
-                from_state=record.state,
-                to_state=to_state,
-                detail=detail,
-            )
+            if shape.event:
+                add_event(
+                    conn,
+                    updated,
+                    kind=kind,
+                    actor=actor,
+                    from_state=record.state,
+                    to_state=to_state,
+                    detail=detail,
+                    event_id=event_id,
+                )
             if also is not None:
                 also(conn, updated)
             if hooks is not None:  # the messages commit with the outcome, or neither does
                 stage_settled(conn, hooks, updated)
-            if notify:  # sent as this commits
+            if notify and row["waited"]:  # sent as this commits
                 conn.exec_driver_sql(PG_NOTIFY, params)
             return updated
 

@@ -3,14 +3,16 @@
 On PostgreSQL one listener per store (a single connection, LISTEN, outside the pool) wakes
 waiters as soon as the store's NOTIFY says their operation left ``in_progress``, and reads
 it for them: one statement on its own connection per NOTIFY, however many requests wait
-for that operation, counting each of their replays. A waiter reads the operation itself
-only where that read cannot be shared: once after it registers, unless the listener can
-vouch that no NOTIFY for it came since the claim's read (it was listening throughout), and
-every ``_POLL_CAP`` seconds as a safety net. However many requests wait, they cost one
-connection and no database work while nothing changes; if that connection fails, waiters
-poll every ``_POLL_FALLBACK`` seconds until it is back. SQLite waiters poll with backoff,
-and so do PostgreSQL waiters behind a transaction pooler with no direct URL to listen on
-(:mod:`payorch.storage._pooling`): a LISTEN there holds on whichever server connection it ran.
+for that operation, counting each of their replays. A write sends that NOTIFY only for an
+operation someone waits on (its row's ``waited``; a NOTIFY serialises commits server-wide),
+so a waiter, once registered, marks the operation and reads it in one statement
+(``Store.flag_waiting``: only the first waiter writes the mark); it reads it itself again
+only where that read cannot be shared, and every ``_POLL_CAP`` seconds as a safety net.
+However many requests wait, they cost one connection and no database work while nothing
+changes; if that connection fails, waiters poll every ``_POLL_FALLBACK`` seconds until it
+is back. SQLite waiters poll with backoff, and so do PostgreSQL waiters behind a transaction
+pooler with no direct URL to listen on (:mod:`payorch.storage._pooling`): a LISTEN there
+holds on whichever server connection it ran.
 
 A wait never trusts the listener to answer: it re-reads on its own schedule, waits for the
 listener's shared read at most ``_DELIVERY_WAIT`` seconds before reading for itself, and so
@@ -31,7 +33,6 @@ import os
 import socket
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Protocol
@@ -83,7 +84,8 @@ class Waker:
         self.record = record  # what it waits on (the listener reads it by id)
         self.serving = False  # the listener is reading for it: wait for the delivery
         self.looking = False  # it is reading for itself: the listener only wakes it
-        self.look_first = True  # read before the first nap (see Listener.register)
+        self.look_first = True  # read before the first nap (see wait_until_settled)
+        self.armed = False  # its operation is marked as waited on (Listener.arm)
         self._delivered = threading.Event()
         self._fresh: OperationRecord | None = None
 
@@ -153,7 +155,6 @@ class LoopWaker(Waker):
 # the operation, how many waiters it answers) -> the operation now, their replays counted.
 SharedReader = Callable[[Any, OperationRecord, int], OperationRecord]
 Mark = tuple[int, int]  # (the LISTEN's generation, the last NOTIFY's number)
-_RECENT = 4096  # keys of recent NOTIFYs remembered, for marks
 
 
 class Listener:
@@ -173,8 +174,6 @@ class Listener:
         self._thread: threading.Thread | None = None
         self._generation = 0  # LISTENs so far: a reconnect may have missed NOTIFYs
         self._seq = 0  # NOTIFYs received
-        self._recent: OrderedDict[str, int] = OrderedDict()  # key -> its last NOTIFY's number
-        self._forgotten = 0  # the highest number dropped from _recent
         self._pg: Any = None  # the LISTEN connection (under _lock), for cut_if_stuck
         self._busy_since: float | None = None  # when its read or heartbeat began
 
@@ -188,34 +187,27 @@ class Listener:
         return since is not None and time.monotonic() - since > seconds
 
     def mark(self) -> Mark | None:
-        """Taken before a read that may find an operation in progress; see :meth:`register`."""
+        """The LISTEN's generation (reconnects so far) and NOTIFYs heard, if it listens."""
         with self._lock:
             return (self._generation, self._seq) if self.listening else None
 
-    def register(
-        self, key: str, record: OperationRecord | None = None, *, since: Mark | None = None
-    ) -> Waker:
+    def register(self, key: str, record: OperationRecord | None = None) -> Waker:
         """A waker for ``key`` (``tenant:operation id``). Every NOTIFY for the key from
         the LISTEN on reaches it, and the LISTEN itself wakes every waiter registered
-        before it (their look may have preceded a NOTIFY nobody heard).
-
-        ``look_first`` on the waker says whether its waiter must read the operation before
-        napping: not if ``since`` (a :meth:`mark` taken before the waiter's last read) shows
-        the LISTEN held throughout and no NOTIFY for the key came since. With ``record``,
+        before it (their look may have preceded a NOTIFY nobody heard). With ``record``,
         the listener reads the operation for it when a NOTIFY comes."""
         event = LoopWaker(record) if bridged() else Waker(record)
         with self._lock:
-            generation, seq = since if since is not None else (-1, -1)
-            event.look_first = not (
-                self.listening
-                and generation == self._generation
-                and seq >= self._forgotten
-                and self._recent.get(key, -1) <= seq
-            )
             self._waiters.setdefault(key, set()).add(event)
             self._changed.notify_all()
         self.start(timeout=0)
         return event
+
+    def arm(self, event: Waker) -> None:
+        """``event``'s operation is marked as waited on: a write of it will NOTIFY."""
+        with self._lock:
+            event.armed = True
+            self._changed.notify_all()
 
     def unregister(self, key: str, event: Waker) -> None:
         with self._lock:
@@ -283,10 +275,12 @@ class Listener:
         return self._listening.wait(timeout)
 
     def wait_for_waiters(self, count: int, timeout: float) -> bool:
-        """Block until ``count`` waiters are registered (tests, benchmarks); False on time-out."""
+        """Block until ``count`` waiters are registered and their operations marked as
+        waited on (tests, benchmarks); False on time-out."""
         with self._changed:
             return self._changed.wait_for(
-                lambda: sum(len(e) for e in self._waiters.values()) >= count, timeout
+                lambda: sum(e.armed for es in self._waiters.values() for e in es) >= count,
+                timeout,
             )
 
     def close(self) -> None:
@@ -301,10 +295,6 @@ class Listener:
         their replays), and wake those reading for themselves to look again."""
         with self._lock:
             self._seq += 1
-            self._recent[key] = self._seq
-            self._recent.move_to_end(key)
-            while len(self._recent) > _RECENT:
-                self._forgotten = self._recent.popitem(last=False)[1]
             events = self._waiters.get(key, set())
             shared = self._reader is not None
             serve = [
@@ -404,6 +394,8 @@ class Waited(Protocol):
 
     def get(self, tenant_id: str, operation_id: str) -> OperationRecord: ...
 
+    def flag_waiting(self, record: OperationRecord) -> OperationRecord | None: ...
+
     def listener(self) -> Listener | None: ...
 
 
@@ -413,13 +405,11 @@ def wait_until_settled(
     wait: timedelta,
     *,
     reread: Reread | None = None,
-    since: Mark | None = None,
 ) -> OperationRecord:
     """Wait up to ``wait`` for ``record`` to leave ``in_progress``; return it as it is then.
 
     ``reread`` is how each look reads it (default ``store.get``; the claim counts the
-    replay a wait ends in, and then the listener reads for it too). ``since``: the
-    listener's :meth:`~Listener.mark` taken before ``record`` was read.
+    replay a wait ends in, and then the listener reads for it too).
     """
     deadline = time.monotonic() + wait.total_seconds()
 
@@ -434,7 +424,16 @@ def wait_until_settled(
         return _poll(read, record, deadline, nap=pause, first=0.02, cap=lambda: 0.25)
     key = f"{record.tenant_id}:{record.id}"
     # Only a read that counts replays is shared: the listener's counts them.
-    woken = listener.register(key, record if reread is not None else None, since=since)
+    woken = listener.register(key, record if reread is not None else None)
+    # Registered first: a NOTIFY sent from now on reaches this waiter (or the LISTEN, once
+    # in force, wakes it). Then the mark, without which the write sends none.
+    try:
+        flagged = store.flag_waiting(record)
+    except PayorchError:  # the mark's answer lost, say: look now, then poll as a fallback
+        flagged = None
+    if flagged is not None:  # in progress, and its next write will say so: nap first
+        record, woken.look_first = flagged, False
+    listener.arm(woken)
 
     def cap() -> float:
         return _POLL_CAP if listener.listening else _POLL_FALLBACK

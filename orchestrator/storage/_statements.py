@@ -318,7 +318,10 @@ def event_insert(values: str) -> str:
 # lease's end; the other columns NULL): the caller knows the rest, it sent it. Its event is
 # kept on the row (claim_event), not written as an event row.
 CLAIMED_COLUMNS = ("lease_expires_at", "created_at")  # what a claim reads back
-_CLAIMED_ROW = ", ".join(c if c in CLAIMED_COLUMNS else "NULL" for c in OPERATION_COLUMNS)
+_CLAIMED_ROW = ", ".join(
+    c if c in CLAIMED_COLUMNS else "1 AS version" if c == "version" else f"NULL AS {c}"
+    for c in OPERATION_COLUMNS
+)
 PG_CLAIM = f"""WITH ins AS (
     {CLAIM_INSERT}
     RETURNING lease_expires_at, created_at

@@ -39,6 +39,8 @@ class Options:
     dbos: bool = True
     citus: bool = True  # bench_citus: where the server has the extension
     breakdown_ops: int = 2000  # bench_breakdown: operations one at a time, per API
+    fresh_ops: int = 10000  # bench_fresh: operations per arm (fresh, analyzed)
+    wal_ops: int = 500  # bench_wal: operations per arm
 
     def pg_ops(self, threads: int) -> int:
         return self.ops if threads == 1 else self.threaded_ops

@@ -40,11 +40,13 @@ import bench_dbos
 import bench_drain
 import bench_execute as bx
 import bench_floors as bf
+import bench_fresh
 import bench_goals
 import bench_metrics
 import bench_scan
 import bench_storm
 import bench_tracing
+import bench_wal
 from bench_async import AsyncBench
 from figures import Options, Report
 from report import print_report
@@ -133,6 +135,8 @@ def bench_postgres(
                     after_warmup=lambda: bench_db.analyze(db.conninfo),
                 ),
             )
+        if opts.wal_ops:
+            measure_wal(db, arms, opts, report, say)
         if dbos is not None:
             dbos.close()
             dbos = None
@@ -146,6 +150,22 @@ def bench_postgres(
         store.close()
         unpinged.close()
         aio.close()
+
+
+def measure_wal(
+    db: bench_db.Database, arms: list[bx.Arm], opts: Options, report: Report, say: Say
+) -> None:
+    """What one fresh operation writes, per arm (the floor, execute(), DBOS if it ran)."""
+    meter = bench_wal.WalMeter(db.conninfo)
+    if meter.unavailable:
+        report.extra["wal_note"] = meter.unavailable
+        return
+    results = []
+    for arm in arms:
+        if arm.name in ("floor", "execute", "dbos"):
+            say(f"WAL per operation: {arm.name}, {opts.wal_ops} operations on one thread")
+            results.append(meter.measure(arm.name, arm.fresh, ops=opts.wal_ops).to_dict())
+    report.extra["wal"] = results
 
 
 def bench_sandbox(store: Store, instant: Executor, opts: Options, report: Report, say: Say) -> None:
@@ -333,6 +353,10 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument(
         "--breakdown-ops", type=int, default=2000, help="ops for the CPU per phase (0 skips)"
     )
+    p.add_argument(
+        "--fresh-ops", type=int, default=10000, help="fresh vs analyzed, ops per arm (0 skips)"
+    )
+    p.add_argument("--wal-ops", type=int, default=500, help="WAL per op, ops per arm (0 skips)")
     p.add_argument("--quick", action="store_true", help="small counts: a smoke run")
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     a = p.parse_args(argv)
@@ -340,6 +364,8 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         a.ops, a.threaded_ops, a.sqlite_ops, a.replay_ops, a.http_ops = 300, 200, 200, 100, 60
         a.async_ops = min(a.async_ops, 300)
         a.breakdown_ops = min(a.breakdown_ops, 300)
+        a.fresh_ops = min(a.fresh_ops, 3000)
+        a.wal_ops = min(a.wal_ops, 200)
         a.warmup, a.rounds = 10, 2
         if a.sizes == DEFAULT_SIZES:
             a.sizes = "5000,20000"
@@ -371,6 +397,8 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         dbos=not a.no_dbos,
         citus=not a.no_citus,
         breakdown_ops=max(0, a.breakdown_ops),
+        fresh_ops=max(0, a.fresh_ops),
+        wal_ops=max(0, a.wal_ops),
     )
 
 
@@ -398,6 +426,32 @@ def environment() -> dict[str, str]:
 
 def _terminate(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)  # unwinds the finally blocks: the cluster is stopped
+
+
+def print_all(
+    console: Console,
+    report: Report,
+    opts: Options,
+    *,
+    breakdown: dict[str, bench_breakdown.Breakdown],
+    storm: list[bench_storm.StormResult],
+    drained: list[bench_drain.DrainResult],
+) -> None:
+    print_report(console, report, opts)
+    bench_breakdown.print_breakdown(console, breakdown)
+    bench_goals.print_fsync_off(console, report, opts)
+    bench_storm.print_storm(console, storm)
+    bench_drain.print_drain(console, drained)
+    bench_citus.print_citus(console, report)
+    bench_wal.print_wal(
+        console,
+        [bench_wal.Amplification(**r) for r in report.extra.get("wal", [])],
+        report.extra.get("wal_note"),
+    )
+    bench_fresh.print_fresh(
+        console, [bench_fresh.FreshResult(**r) for r in report.extra.get("fresh", [])]
+    )
+    bench_goals.print_goals(console, report, opts, storm, drained)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -460,6 +514,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     claim_reps=opts.claim_reps,
                     progress=say,
                 )
+        if opts.fresh_ops:
+            fresh = bench_fresh.run_fresh(server, opts.fresh_ops, TENANT, instant_executor, say)
+            report.extra["fresh"] = [r.to_dict() for r in fresh]
         drained = bench_backlog(server, say)
         if opts.citus:
             bench_citus.bench_citus(server, opts, report, say, instant_executor)
@@ -470,13 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench_sqlite(opts, report, say)
     report.elapsed_s = time.perf_counter() - started
     report.environment["load_after"] = _load()
-    print_report(console, report, opts)
-    bench_breakdown.print_breakdown(console, breakdown)
-    bench_goals.print_fsync_off(console, report, opts)
-    bench_storm.print_storm(console, storm)
-    bench_drain.print_drain(console, drained)
-    bench_citus.print_citus(console, report)
-    bench_goals.print_goals(console, report, opts, storm, drained)
+    print_all(console, report, opts, breakdown=breakdown, storm=storm, drained=drained)
     if opts.json_path is not None:
         opts.json_path.write_text(json.dumps(report.summary(), indent=2) + "\n")
     return 0

@@ -9,15 +9,13 @@ table. Plans, not timings: a plan is what decides how the cost grows with the ta
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
 
-import psycopg
 import pytest
 import sqlalchemy as sa
 from conftest import create_pg_database
+from sent_sql import RecordingCursor, Sent, one, sent_by
 
 from payorch import migrate
 from payorch.records import NewOperation
@@ -137,7 +135,7 @@ def big(
     store = (
         Store.from_url(url)
         if request.param == "sqlite"
-        else Store.from_url(url, connect_args={"cursor_factory": _RecordingCursor})
+        else Store.from_url(url, connect_args={"cursor_factory": RecordingCursor})
     )
     try:
         _fill(store.engine)
@@ -147,47 +145,6 @@ def big(
         yield store
     finally:
         store.close()
-
-
-@dataclass
-class Sent:
-    statement: str
-    parameters: Any
-
-
-_recording: list[Sent] | None = None  # what PostgreSQL stores' cursors were asked to run
-
-
-class _RecordingCursor(psycopg.Cursor[Any]):
-    """Sees every statement, the hot ones run on the driver connection included."""
-
-    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
-        if _recording is not None:
-            _recording.append(Sent(str(query), params))
-        return super().execute(query, params, **kwargs)
-
-
-def sent_by(store: Store, call: Callable[[Store], object]) -> list[Sent]:
-    """Run ``call`` for real; the statements it sent, with their parameters."""
-    global _recording
-    seen: list[Sent] = []
-    if store.is_postgres:
-        _recording = seen
-        try:
-            call(store)
-        finally:
-            _recording = None
-        return seen
-
-    def record(conn: Any, cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
-        seen.append(Sent(statement, parameters))
-
-    sa.event.listen(store.engine, "before_cursor_execute", record)
-    try:
-        call(store)
-    finally:
-        sa.event.remove(store.engine, "before_cursor_execute", record)
-    return seen
 
 
 def plan(store: Store, sent: Sent) -> list[str]:
@@ -219,10 +176,8 @@ def assert_reads_index(store: Store, sent: Sent, index: str) -> None:
     assert index in shown, context
 
 
-def one(sent: list[Sent], *needles: str) -> Sent:
-    found = [s for s in sent if all(n in s.statement for n in needles)]
-    assert len(found) == 1, [s.statement for s in sent]
-    return found[0]
+def primary_key(store: Store) -> str:
+    return "pk_payorch_operations" if store.is_postgres else "autoindex_payorch_operations_1"
 
 
 def namespace_index(store: Store) -> str:
@@ -258,9 +213,19 @@ def test_claim_due_for_some_tenants_reads_the_active_partial_index(big: Store) -
 # -- operators ---------------------------------------------------------------------------
 
 
-def test_find_by_id_alone_reads_the_id_index(big: Store) -> None:
+def test_find_by_id_alone_reads_the_primary_key(big: Store) -> None:
     sent = sent_by(big, lambda store: store.find("op-77777"))
-    assert_reads_index(big, one(sent, "FROM payorch_operations"), "ix_payorch_operations_id")
+    assert_reads_index(big, one(sent, "FROM payorch_operations"), primary_key(big))
+
+
+def test_a_tenant_listing_reads_the_listing_index(big: Store) -> None:
+    def listing(store: Store) -> object:
+        page = list_operations(store, tenant_id="tenant-3", limit=20)
+        assert len(page.items) == 20 and all(r.tenant_id == "tenant-3" for r in page.items)
+        return page
+
+    query = one(sent_by(big, listing), "FROM payorch_operations", "ORDER BY")
+    assert_reads_index(big, query, "ix_payorch_operations_created")
 
 
 @pytest.mark.parametrize("tenant", [None, "tenant-3"])

@@ -408,14 +408,28 @@ def run_sql(
 
 
 def run_sql_rows(
-    engine: Engine, sql: str, params: Mapping[str, Any], *, write: bool = True
+    engine: Engine,
+    sql: str,
+    params: Mapping[str, Any],
+    *,
+    write: bool = True,
+    replan: bool = False,
 ) -> list[tuple[Any, ...]]:
-    """:func:`run_sql`, every row."""
-    return _run_sql(engine, sql, params, write=write, every=True)
+    """:func:`run_sql`, every row. ``replan``: never prepared, so planned on each run for the
+    table as it is then (a scan whose best plan changes as the table grows, run seldom
+    enough that its planning costs nothing; a cached generic plan would be chosen once,
+    on a fresh table, and kept)."""
+    return _run_sql(engine, sql, params, write=write, every=True, replan=replan)
 
 
 def _run_sql(
-    engine: Engine, sql: str, params: Mapping[str, Any], *, write: bool, every: bool
+    engine: Engine,
+    sql: str,
+    params: Mapping[str, Any],
+    *,
+    write: bool,
+    every: bool,
+    replan: bool = False,
 ) -> list[tuple[Any, ...]]:
     if not runs_on_driver(engine):
         return _run_sql_via_sqlalchemy(engine, sql, params, write=write, every=every)
@@ -444,7 +458,7 @@ def _run_sql(
                 raise DatabaseUnavailable("database connection lost before the statement")
             watch.seen = None
             try:
-                rows = fetch(cursor, sql, params, every)
+                rows = fetch(cursor, sql, params, every, False if replan else None)
             except error as orig:
                 broken = bool(driver.closed or driver.broken)
                 if broken:
@@ -478,23 +492,37 @@ def _cursor_of(fairy: Any, driver: Any) -> Any:
     return cursor
 
 
-def _fetch(cursor: Any, sql: str, params: Mapping[str, Any] | None, every: bool) -> list[Any]:
-    cursor.execute(sql, params)
+def _fetch(
+    cursor: Any,
+    sql: str,
+    params: Mapping[str, Any] | None,
+    every: bool,
+    prepare: bool | None = None,
+) -> list[Any]:
+    cursor.execute(sql, params, prepare=prepare)
     return cursor.fetchall() if every else [cursor.fetchone()]
 
 
 def _fetch_awaited(
-    cursor: Any, sql: str, params: Mapping[str, Any] | None, every: bool
+    cursor: Any,
+    sql: str,
+    params: Mapping[str, Any] | None,
+    every: bool,
+    prepare: bool | None = None,
 ) -> list[Any]:
     """:func:`_fetch` on a cursor of psycopg's AsyncConnection, from sync code under the
     bridge: the statement and its rows in one await."""
-    return wait_for(_fetch_async(cursor, sql, params, every))
+    return wait_for(_fetch_async(cursor, sql, params, every, prepare))
 
 
 async def _fetch_async(
-    cursor: Any, sql: str, params: Mapping[str, Any] | None, every: bool
+    cursor: Any,
+    sql: str,
+    params: Mapping[str, Any] | None,
+    every: bool,
+    prepare: bool | None = None,
 ) -> list[Any]:
-    await cursor.execute(sql, params)
+    await cursor.execute(sql, params, prepare=prepare)
     return await cursor.fetchall() if every else [await cursor.fetchone()]
 
 

@@ -255,7 +255,7 @@ def claim_due(
         sql = PG_CLAIM_DUE
         if tenant_ids is not None:
             sql, params["tenant_ids"] = PG_CLAIM_DUE_TENANTS, sorted(tenant_ids)
-        found = run_sql_rows(engine, sql, params)
+        found = run_sql_rows(engine, sql, params, replan=True)
     rows = sorted(found, key=lambda row: row[0])
     leased: list[tuple[OperationRecord, datetime]] = []
     corrupt: list[Unreadable] = []
@@ -286,7 +286,7 @@ def _lease_by_tenant(
     if tenant_ids is not None:
         sql, read["tenant_ids"] = PG_DUE_CANDIDATES_TENANTS, sorted(tenant_ids)
     by_tenant: dict[str, list[str]] = {}
-    for tenant_id, op_id in run_sql_rows(engine, sql, read):
+    for tenant_id, op_id in run_sql_rows(engine, sql, read, replan=True):
         by_tenant.setdefault(tenant_id, []).append(op_id)
     rows: list[Any] = []
     for tenant_id, ids in by_tenant.items():

@@ -20,7 +20,7 @@ from ..errors import CorruptRecord, InvalidRequest
 from ..records import OperationRecord
 from ._engine import read_in_transaction
 from ._store import Store
-from ._tables import db_now, db_now_plus, events, is_flagged, operations
+from ._tables import db_now, db_now_plus, events, is_flagged, is_listed, operations
 
 __all__ = [
     "CONFLICT_EVENT",
@@ -143,7 +143,7 @@ def list_operations(
     if older_than is not None and older_than < timedelta(0):
         raise InvalidRequest("older_than must not be negative")
     t = operations.c
-    where: list[sa.ColumnElement[bool]] = []
+    where: list[sa.ColumnElement[bool]] = [is_listed()]  # the listing index's predicate
     if state is not None:
         where.append(t.state == state.value)
     if tenant_id is not None:

@@ -1,10 +1,16 @@
 """SQLAlchemy Core tables and the database clock.
 
 The schema itself is created only by the Alembic migrations in ``alembic/versions``; these
-definitions mirror them for queries (a test checks the two agree). Every key and index leads
-with ``tenant_id`` so the tables can be distributed by tenant, with one documented exception:
-``ix_payorch_operations_id``, a plain (not unique) index on ``id`` for operator look-ups by id
-alone. Not being unique, it constrains nothing across tenants, so it shards like any other.
+definitions mirror them for queries (a test checks the two agree). Every key and index holds
+``tenant_id`` so the tables can be distributed by tenant.
+
+Plans that do not depend on statistics: PostgreSQL caches one generic plan per prepared
+statement, chosen on its first runs; on a table never analyzed every index looks equally
+cheap then, and a plan that walks a tenant's entries of the wrong index stays in use as the
+table grows. So on ``payorch_operations`` each hot statement has one usable index, the right
+one: the keys lead with the column that names the row (``id``; ``idempotency_key``;
+``downstream_key``), not with ``tenant_id``, and the one tenant-led listing index is partial
+on a predicate (:func:`is_listed`) that only the listing states.
 
 A partial index serves a query only when the query's WHERE holds the index's predicate as
 written: SQLite matches the term textually and PostgreSQL cannot prove it from bound
@@ -27,6 +33,7 @@ from ..records import Undecodable
 
 __all__ = [
     "ACTIVE_STATE_VALUES",
+    "LISTED",
     "OUTBOX_SEQUENCE",
     "OUTBOX_STATE_VALUES",
     "StoredJSON",
@@ -38,6 +45,7 @@ __all__ = [
     "is_active",
     "is_dead",
     "is_flagged",
+    "is_listed",
     "is_pending",
     "metadata",
     "operations",
@@ -47,6 +55,9 @@ __all__ = [
 
 ACTIVE_STATE_VALUES = ("in_progress", "outcome_unknown")
 TERMINAL_STATE_VALUES = ("succeeded", "failed_final")
+# ix_payorch_operations_created's predicate: true of every row (a literal instant, the same
+# text on both dialects; SQLite compares the stored text, which sorts as the time does).
+LISTED = "created_at > '2000-01-01 00:00:00+00'"
 
 
 def _tolerant(inner: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
@@ -188,9 +199,12 @@ operations = sa.Table(
     # Someone waits on this operation (a duplicate request, on LISTEN): only then does its
     # write out of in_progress send a NOTIFY, which serialises commits server-wide.
     sa.Column("waited", sa.Boolean, nullable=False, server_default=sa.false()),
-    sa.PrimaryKeyConstraint("tenant_id", "id", name="pk_payorch_operations"),
+    # Led by id: by-id statements (writes, rereads, ``ops show <id>`` with or without a
+    # tenant) can use no other index; tenant_id in it so it shards.
+    sa.PrimaryKeyConstraint("id", "tenant_id", name="pk_payorch_operations"),
+    # The namespace, led by the key (the claim's conflict target takes any column order).
     sa.UniqueConstraint(
-        "tenant_id", "operation", "idempotency_key", name="uq_payorch_operations_namespace"
+        "idempotency_key", "operation", "tenant_id", name="uq_payorch_operations_namespace"
     ),
     # Partial: a claim (no reference yet) adds no entry. ``provider_reference = x`` implies
     # the predicate on both planners.
@@ -202,10 +216,18 @@ operations = sa.Table(
         postgresql_where=sa.text("provider_reference IS NOT NULL"),
         sqlite_where=sa.text("provider_reference IS NOT NULL"),
     ),
-    sa.Index("ix_payorch_operations_created", "tenant_id", "created_at"),
+    # The listing, newest first per tenant: partial on a predicate always true of a row
+    # (LISTED) that only the listing states, so no by-key statement can walk it.
+    sa.Index(
+        "ix_payorch_operations_created",
+        "tenant_id",
+        "created_at",
+        postgresql_where=sa.text(LISTED),
+        sqlite_where=sa.text(LISTED),
+    ),
     # Webhooks find the operation by the downstream key that caused the event: since keys
     # come from the namespace, the key no longer names the operation id.
-    sa.Index("ix_payorch_operations_downstream", "tenant_id", "provider", "downstream_key"),
+    sa.Index("ix_payorch_operations_downstream", "downstream_key", "provider", "tenant_id"),
     # The reconciler's scan reads only non-terminal rows: its cost follows stuck work.
     sa.Index(
         "ix_payorch_operations_active",
@@ -222,9 +244,6 @@ operations = sa.Table(
         postgresql_where=sa.text("reaped_at IS NULL AND retain_until IS NOT NULL"),
         sqlite_where=sa.text("reaped_at IS NULL AND retain_until IS NOT NULL"),
     ),
-    # Operator look-up by id alone (``ops show <id>``): the schema's one index not led by
-    # tenant_id. Not unique, so it shards (each shard indexes its own rows).
-    sa.Index("ix_payorch_operations_id", "id"),
     # The attention queue: only flagged rows, newest first per tenant; without a tenant
     # the (small) index is read whole and sorted.
     sa.Index(
@@ -242,6 +261,12 @@ def is_active() -> sa.ColumnElement[bool]:
     """``state IN ('in_progress', 'outcome_unknown')`` exactly as ``ix_payorch_operations_active``
     states it, with literals, so both planners may read that partial index."""
     return operations.c.state.in_([sa.literal_column(f"'{s}'") for s in ACTIVE_STATE_VALUES])
+
+
+def is_listed() -> sa.ColumnElement[bool]:
+    """``created_at > '2000-01-01 00:00:00+00'`` (true of every row) exactly as
+    ``ix_payorch_operations_created`` states it: the listing's own index."""
+    return operations.c.created_at > sa.literal_column(LISTED.split(" > ", 1)[1])
 
 
 def is_flagged() -> sa.ColumnElement[bool]:

@@ -24,7 +24,7 @@ from ..observing import _metrics as metrics
 from ..observing import _tracing as tracing
 from ..operations import Prepared
 from ..outcome import decide, late_conflict
-from ..provider import Answer, AnswerKind, Provider, Resender, SubmitRequest, WireRequest
+from ..provider import Answer, AnswerKind, Provider, SubmitRequest, WireRequest
 from ..records import OperationRecord, Redactor
 from ..storage._bridge import pause
 from ..storage._store import Store
@@ -56,7 +56,10 @@ def wire_of(prepared: Prepared, adapter: Provider) -> WireRequest | None:
     only where the adapter can say and the stored request hides nothing (a re-send must
     need nothing that was not stored). None otherwise, and for a request the adapter
     refuses: its ``submit`` gives that refusal after the claim, as ever."""
-    if not isinstance(adapter, Resender):
+    # A Resender (what isinstance(adapter, Resender) checks, without typing's walk of the
+    # protocol on every call).
+    wire_request = getattr(adapter, "wire_request", None)
+    if not callable(wire_request):
         return None
     if prepared.redactor is None and Redactor.redacted_at(prepared.new.request) is not None:
         return None  # the reconciler's own rule: what hides a value is never re-sent
@@ -71,7 +74,7 @@ def wire_of(prepared: Prepared, adapter: Provider) -> WireRequest | None:
         fingerprint=new.fingerprint,
     )
     try:
-        built = adapter.wire_request(request)
+        built = wire_request(request)
     except (ConfigurationError, InvalidRequest, UnicodeEncodeError):
         return None  # refused: submit says so after the claim, classified
     except Exception as exc:  # noqa: BLE001 - an adapter bug: sent as ever, never re-sent

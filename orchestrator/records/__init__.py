@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from ..core import State, downstream_key, namespace_ref
@@ -195,7 +196,7 @@ class NewOperation:
     # request hides a sensitive value.
     wire: Mapping[str, Any] | None = None
 
-    @property
+    @cached_property  # read by the claim and by the adapter's request: hashed once
     def downstream_key(self) -> str:
         """The provider idempotency key: from the namespace, never from a per-claim id."""
         ref = namespace_ref(self.tenant_id, self.operation, self.idempotency_key, self.key_scope)

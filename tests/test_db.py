@@ -9,7 +9,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from payorch.errors import DatabaseUnavailable, InvalidRequest, StorageError
-from payorch.storage._engine import create_engine, run_in_transaction, run_sql
+from payorch.storage._driver_sql import run_sql
+from payorch.storage._engine import create_engine, run_in_transaction
 from payorch.storage._pooling import normalise_url
 from payorch.storage._store import Store
 

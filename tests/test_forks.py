@@ -39,7 +39,7 @@ from payorch.providers.stripe import StripeProvider
 from payorch.reconciling._reconciler import Reconciler
 from payorch.storage._async_store import AsyncStore
 from payorch.storage._bridge import run_bridged
-from payorch.storage._engine import run_sql
+from payorch.storage._driver_sql import run_sql
 from payorch.storage._store import Store
 
 PAYMENT = {"amount": 1200, "currency": "EUR", "customer": "cus_fork"}

@@ -13,7 +13,7 @@ from sqlalchemy.engine import Engine
 
 from payorch.db import create_async_engine, create_engine
 from payorch.storage._bridge import run_bridged
-from payorch.storage._engine import run_sql
+from payorch.storage._driver_sql import run_sql
 
 IDLE, INTRANS, INERROR = 0, 2, 3  # libpq's PQTRANS_* values
 

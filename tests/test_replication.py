@@ -42,7 +42,8 @@ from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.reconciling._daemon import ReconcilerDaemon
 from payorch.reconciling._reconciler import Reconciler
 from payorch.storage._async_store import AsyncStore
-from payorch.storage._engine import create_async_engine, create_engine, run_sql
+from payorch.storage._driver_sql import run_sql
+from payorch.storage._engine import create_async_engine, create_engine
 from payorch.storage._store import Store
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]

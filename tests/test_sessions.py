@@ -31,6 +31,7 @@ from payorch.operations import default_registry
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.storage import _engine as db
 from payorch.storage import _sessions as sessions
+from payorch.storage._driver_sql import run_sql
 from payorch.storage._engine import create_engine
 from payorch.storage._replication import Status, num_sync, strict_from_env
 from payorch.storage._store import Store
@@ -90,12 +91,12 @@ def test_a_read_only_session_is_refused_in_one_line_and_nothing_is_sent(
 def test_sqlstate_25006_maps_to_the_read_only_error_not_a_retry(postgres_url: str) -> None:
     engine = db.create_engine(postgres_url, pool_size=1, max_overflow=0)
     try:
-        db.run_sql(engine, "SELECT 1", {}, write=False)  # the session is checked and adopted
+        run_sql(engine, "SELECT 1", {}, write=False)  # the session is checked and adopted
         with engine.connect() as conn:  # then it turns read-only behind payorch's back
             conn.exec_driver_sql("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
             conn.commit()
         with pytest.raises(DatabaseReadOnly, match="read-only transaction"):
-            db.run_sql(engine, "CREATE TABLE payorch_never (a int)", {})
+            run_sql(engine, "CREATE TABLE payorch_never (a int)", {})
         with pytest.raises(DatabaseReadOnly):  # the SQLAlchemy path maps it alike
             db.run_in_transaction(engine, lambda c: c.exec_driver_sql("CREATE TABLE nv (a int)"))
     finally:
@@ -116,7 +117,7 @@ def test_an_autocommit_engine_stays_in_autocommit_after_payorch_ran_on_it(
         with engine.connect() as conn:
             conn.exec_driver_sql(f"CREATE TABLE IF NOT EXISTS {table} (a int)")
             conn.exec_driver_sql(f"TRUNCATE {table}")
-        db.run_sql(engine, "SELECT 1", {}, write=False)  # payorch's hot path, same connection
+        run_sql(engine, "SELECT 1", {}, write=False)  # payorch's hot path, same connection
         with engine.connect() as conn:  # the app's next write: autocommit, no COMMIT of its own
             conn.exec_driver_sql(f"INSERT INTO {table} VALUES (1)")
         with engine.connect() as conn:
@@ -134,7 +135,7 @@ def test_an_autocommit_engine_stays_in_autocommit_after_payorch_ran_on_it(
 def test_a_transactional_engine_gets_its_transactions_back(postgres_url: str) -> None:
     engine = sa.create_engine(postgres_url, pool_size=1, max_overflow=0)
     try:
-        db.run_sql(engine, "SELECT 1", {}, write=False)
+        run_sql(engine, "SELECT 1", {}, write=False)
         with engine.connect() as conn:
             assert conn.connection.driver_connection.autocommit is False  # type: ignore[union-attr]
     finally:
@@ -320,7 +321,7 @@ def test_the_session_check_is_one_statement_per_connection_not_per_statement(
     )
     try:
         for _ in range(5):
-            db.run_sql(engine, "SELECT 1", {}, write=False)
+            run_sql(engine, "SELECT 1", {}, write=False)
             db.run_in_transaction(engine, lambda c: c.exec_driver_sql("SELECT 2"), write=False)
     finally:
         engine.dispose()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -76,7 +77,7 @@ class WireRequest:
         Raises ``ConfigurationError`` (nothing sent) when the sender's ``base_url`` is not
         where it went first (another endpoint, API version or region): the same bytes there
         are another request."""
-        base = str(httpx.URL(base_url)).rstrip("/")
+        base = _normalised(base_url)
         if not self.url.startswith(base + "/") and self.url != base:
             raise ConfigurationError(
                 f"the request was first sent to {self.url}, not under this adapter's "
@@ -125,3 +126,10 @@ class WireRequest:
         else:
             return None
         return cls(method=method, url=url, headers=tuple(pairs), body=body)
+
+
+@functools.lru_cache(maxsize=64)
+def _normalised(base_url: str) -> str:
+    """``base_url`` as httpx spells it, without a trailing slash (an adapter has one: parsed
+    once, not per request)."""
+    return str(httpx.URL(base_url)).rstrip("/")

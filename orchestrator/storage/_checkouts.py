@@ -2,7 +2,7 @@
 
 At checkout a pooled connection is checked locally (a closed socket is seen without a round
 trip: no pre-ping) and given back the mode SQLAlchemy expects, since :func:`run_sql
-<payorch.storage._engine.run_sql>` leaves its connections in autocommit. On return, only
+<payorch.storage._driver_sql.run_sql>` leaves its connections in autocommit. On return, only
 what is open is rolled back.
 """
 

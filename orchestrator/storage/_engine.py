@@ -5,7 +5,8 @@ that raises without the server saying it rolled back may have committed
 (``CommitUncertain``): the caller must answer "retry the same key", never "nothing happened".
 
 On PostgreSQL the hot writes are single statements run in autocommit
-(:func:`run_statement`): one round trip each, no BEGIN/COMMIT. Such a statement is its own
+(:func:`run_statement`, and SQL text on the driver connection: ``_driver_sql``): one round
+trip each, no BEGIN/COMMIT. Such a statement is its own
 COMMIT, so a failure without the server's verdict is uncertain in exactly the same way.
 No pre-ping either: a pooled connection is checked locally at checkout (a closed socket is
 seen without a round trip), and a connection that breaks inside a transaction before its
@@ -16,13 +17,12 @@ too (:mod:`payorch.storage._sessions`).
 
 from __future__ import annotations
 
-import functools
 import os
 import random
 import re
 import sqlite3
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
@@ -38,8 +38,8 @@ from ..errors import (
 )
 from ..forks import reset_in_child
 from . import _sessions as sessions
-from ._bridge import pause, wait_for
-from ._checkouts import RAW_CHECKOUT, configure_postgres, runs_on_driver
+from ._bridge import pause
+from ._checkouts import configure_postgres
 from ._pooling import Pooling, normalise_url, resolve
 from ._pooling import configure as configure_pooling
 from ._pooling import engine_options as pooling_options
@@ -53,8 +53,6 @@ __all__ = [
     "map_db_error",
     "read_in_transaction",
     "run_in_transaction",
-    "run_sql",
-    "run_sql_rows",
     "run_statement",
     "schema_of",
 ]
@@ -69,7 +67,7 @@ _WRITE_OPTION = "payorch_write"
 
 
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
-_SCHEMAS: weakref.WeakKeyDictionary[Engine, str] = weakref.WeakKeyDictionary()
+SCHEMAS: weakref.WeakKeyDictionary[Engine, str] = weakref.WeakKeyDictionary()
 
 
 def _schema(schema: str | None) -> str:
@@ -85,7 +83,7 @@ def _schema(schema: str | None) -> str:
 
 def schema_of(engine: Engine) -> str | None:
     """The PostgreSQL schema payorch's tables live in (None on SQLite)."""
-    return _SCHEMAS.get(engine)
+    return SCHEMAS.get(engine)
 
 
 def create_engine(
@@ -126,6 +124,11 @@ def create_async_engine(
     """
     from sqlalchemy.ext.asyncio import create_async_engine as _create
 
+    if _keeps_connections(url, kwargs):
+        # Many operations in flight on one loop: the same ceiling of 30, kept open. Above a
+        # pool of 10, connections would close on return and reopen under load (a connect,
+        # its first-use check, statements never prepared).
+        kwargs.update(pool_size=30, max_overflow=0)
     parsed, name, pooling = _engine_options(url, schema, pooler, listen_url, kwargs)
     if parsed.get_backend_name() == "sqlite":
         parsed = parsed.set(drivername="sqlite+aiosqlite")
@@ -136,6 +139,12 @@ def create_async_engine(
     engine = _create(parsed, **kwargs)
     _configure(engine.sync_engine, name, pooling)
     return engine
+
+
+def _keeps_connections(url: str | URL, kwargs: dict[str, Any]) -> bool:
+    """The async default pool applies: PostgreSQL, payorch's QueuePool, no size given."""
+    given = {"poolclass", "pool_size", "max_overflow"} & kwargs.keys()
+    return not given and normalise_url(url).get_backend_name() == "postgresql"
 
 
 def _engine_options(
@@ -179,7 +188,7 @@ def _configure(engine: Engine, schema: str | None, pooling: Pooling) -> None:
     if schema is None:
         _configure_sqlite(engine)
     else:
-        _SCHEMAS[engine] = schema
+        SCHEMAS[engine] = schema
         configure_postgres(engine)
         configure_pooling(engine, pooling, schema)
     # A forked child starts with an empty pool of its own.
@@ -298,7 +307,7 @@ def _uncertain(err: exc.SQLAlchemyError) -> CommitUncertain:
     return CommitUncertain(f"the database did not confirm a commit (it may have happened): {cause}")
 
 
-def _judge(
+def judge(
     err: exc.SQLAlchemyError, *, may_have_committed: bool, again_if_broken: bool, attempt: int
 ) -> None:
     """What a failed transaction or statement means, for every way payorch runs one: raises
@@ -346,7 +355,7 @@ def run_in_transaction(engine: Engine, fn: Callable[[Connection], T], *, write: 
                     sessions.after_commit(watch)
                 return result
         except exc.SQLAlchemyError as err:
-            _judge(
+            judge(
                 err,
                 may_have_committed=committing and write,
                 again_if_broken=fresh_retry,
@@ -381,197 +390,13 @@ def run_statement(engine: Engine, fn: Callable[[Connection], T], *, write: bool 
         except exc.SQLAlchemyError as err:
             # Broken before our statement, or a broken read: nothing to be uncertain
             # about, once more on a fresh connection.
-            _judge(
+            judge(
                 err,
                 may_have_committed=sent and write,
                 again_if_broken=(not sent or not write) and attempt == 0,
                 attempt=attempt,
             )
     raise StorageError("statement retries exhausted")  # pragma: no cover - loop returns/raises
-
-
-def run_sql(
-    engine: Engine, sql: str, params: Mapping[str, Any], *, write: bool = True
-) -> tuple[Any, ...] | None:
-    """``sql`` (psycopg's ``%(name)s`` style) as :func:`run_statement` runs it: autocommit,
-    one round trip, the same verdicts; its first row as the driver hands it, or None.
-
-    On psycopg engines, sync or async (the bridge), it runs on the pooled driver connection
-    itself: the hot statements need neither SQLAlchemy's ``Connection`` nor its result
-    metadata, which cost more client CPU than the rest of an operation (statement
-    listeners do not see these statements; the round trips are the same). On an async
-    engine each round trip is one await on the loop. Elsewhere (aiosqlite) it runs through
-    ``exec_driver_sql``.
-    """
-    rows = _run_sql(engine, sql, params, write=write, every=False)
-    return rows[0] if rows else None
-
-
-def run_sql_rows(
-    engine: Engine,
-    sql: str,
-    params: Mapping[str, Any],
-    *,
-    write: bool = True,
-    replan: bool = False,
-) -> list[tuple[Any, ...]]:
-    """:func:`run_sql`, every row. ``replan``: never prepared, so planned on each run for the
-    table as it is then (a scan whose best plan changes as the table grows, run seldom
-    enough that its planning costs nothing; a cached generic plan would be chosen once,
-    on a fresh table, and kept)."""
-    return _run_sql(engine, sql, params, write=write, every=True, replan=replan)
-
-
-def _run_sql(
-    engine: Engine,
-    sql: str,
-    params: Mapping[str, Any],
-    *,
-    write: bool,
-    every: bool,
-    replan: bool = False,
-) -> list[tuple[Any, ...]]:
-    if not runs_on_driver(engine):
-        return _run_sql_via_sqlalchemy(engine, sql, params, write=write, every=every)
-    error: type[Exception] = engine.dialect.loaded_dbapi.Error
-    fetch = _fetch_awaited if engine.dialect.is_async else _fetch
-    # On payorch's engines the connection goes back still in autocommit: the next statement
-    # run here needs no switch, and the checkout listener switches it back for anyone else.
-    # An engine the caller built has no such listener: there it goes back at once to the
-    # mode it had (an AUTOCOMMIT engine's stays in autocommit).
-    ours = engine in _SCHEMAS
-    for attempt in range(MAX_TRANSACTION_ATTEMPTS):
-        fairy = _checkout(engine, error)
-        driver: Any = fairy.driver_connection  # psycopg's Connection or AsyncConnection
-        was = driver.autocommit  # a caller's engine gets its connection back in this mode
-        try:
-            watch = None
-            if was or _set_autocommit(fairy, True):
-                cursor = _cursor_of(fairy, driver)
-                watch = sessions.watch_of(fairy.info) or sessions.first_use(
-                    fairy, error, functools.partial(fetch, cursor, params=None, every=False)
-                )
-            if watch is None:
-                # Unusable before anything was sent: nothing to be uncertain about.
-                if attempt == 0:
-                    continue  # once, on a fresh connection
-                raise DatabaseUnavailable("database connection lost before the statement")
-            watch.seen = None
-            try:
-                rows = fetch(cursor, sql, params, every, False if replan else None)
-            except error as orig:
-                broken = bool(driver.closed or driver.broken)
-                if broken:
-                    fairy.invalidate(orig)
-                _judge(
-                    _wrapped(sql, params, orig, error, broken=broken),
-                    may_have_committed=write,
-                    again_if_broken=not write and attempt == 0,
-                    attempt=attempt,
-                )
-                continue
-            if write and watch.seen is not None:
-                raise sessions.wait_cancelled(watch.seen)
-            return [row for row in rows if row is not None]
-        finally:
-            if not ours and fairy.is_valid and driver.autocommit != was:
-                _set_autocommit(fairy, was)
-            fairy.close()  # back to the pool (or, invalidated, discarded)
-    raise StorageError("statement retries exhausted")  # pragma: no cover - loop returns/raises
-
-
-_CURSOR = "payorch_cursor"  # in the pool's per-connection info (cleared on reconnect)
-
-
-def _cursor_of(fairy: Any, driver: Any) -> Any:
-    """The connection's cursor for run_sql, made once: a fresh cursor per statement would
-    look up every column's loader again."""
-    cursor = fairy.info.get(_CURSOR)
-    if cursor is None or cursor.closed or cursor.connection is not driver:
-        cursor = fairy.info[_CURSOR] = driver.cursor()
-    return cursor
-
-
-def _fetch(
-    cursor: Any,
-    sql: str,
-    params: Mapping[str, Any] | None,
-    every: bool,
-    prepare: bool | None = None,
-) -> list[Any]:
-    cursor.execute(sql, params, prepare=prepare)
-    return cursor.fetchall() if every else [cursor.fetchone()]
-
-
-def _fetch_awaited(
-    cursor: Any,
-    sql: str,
-    params: Mapping[str, Any] | None,
-    every: bool,
-    prepare: bool | None = None,
-) -> list[Any]:
-    """:func:`_fetch` on a cursor of psycopg's AsyncConnection, from sync code under the
-    bridge: the statement and its rows in one await."""
-    return wait_for(_fetch_async(cursor, sql, params, every, prepare))
-
-
-async def _fetch_async(
-    cursor: Any,
-    sql: str,
-    params: Mapping[str, Any] | None,
-    every: bool,
-    prepare: bool | None = None,
-) -> list[Any]:
-    await cursor.execute(sql, params, prepare=prepare)
-    return await cursor.fetchall() if every else [await cursor.fetchone()]
-
-
-def _checkout(engine: Engine, error: type[Exception]) -> Any:
-    """A pooled connection (the checkout listener drops a dead one), or the mapped error."""
-    token = RAW_CHECKOUT.set(True)
-    try:
-        return engine.raw_connection()
-    except error as orig:  # no connection could be opened
-        failed = exc.DBAPIError.instance(None, None, orig, error, connection_invalidated=True)
-        raise map_db_error(failed) from orig
-    except exc.SQLAlchemyError as timeout:  # the pool's time-out
-        raise map_db_error(timeout) from timeout
-    finally:
-        RAW_CHECKOUT.reset(token)
-
-
-def _run_sql_via_sqlalchemy(
-    engine: Engine, sql: str, params: Mapping[str, Any], *, write: bool, every: bool
-) -> list[tuple[Any, ...]]:
-    """:func:`run_sql` where the driver connection is not at hand (the async bridge)."""
-
-    def run(conn: Connection) -> list[tuple[Any, ...]]:
-        result = conn.exec_driver_sql(sql, params)
-        found = result.all() if every else [result.first()]
-        return [tuple(row) for row in found if row is not None]
-
-    return run_statement(engine, run, write=write)
-
-
-def _set_autocommit(fairy: Any, value: bool) -> bool:
-    """Set the pooled connection's autocommit mode; False (and the connection invalidated,
-    so the pool discards it) if the connection can no longer take it. Through the DBAPI
-    face: for the async driver, SQLAlchemy's adapter awaits the switch."""
-    try:
-        fairy.dbapi_connection.autocommit = value
-    except Exception as exc:  # noqa: BLE001 - psycopg.Error: closed or broken meanwhile
-        fairy.invalidate(exc)
-        return False
-    return True
-
-
-def _wrapped(
-    sql: str, params: Mapping[str, Any], orig: Exception, error: type[Exception], *, broken: bool
-) -> exc.DBAPIError:
-    """A driver error as SQLAlchemy would have raised it, for the one mapping above."""
-    wrapped = exc.DBAPIError.instance(sql, dict(params), orig, error, connection_invalidated=broken)
-    assert isinstance(wrapped, exc.DBAPIError)
-    return wrapped
 
 
 def read_in_transaction(engine: Engine, fn: Callable[[Connection], T]) -> T:

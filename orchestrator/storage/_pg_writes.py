@@ -1,8 +1,9 @@
 """PostgreSQL's hot writes, one statement and one round trip each (see ``_statements.py``).
 
 The store decides what to write and what an answer means; this module fills the parameters
-of the SQL-text statements, runs each in autocommit (:func:`~payorch.storage._engine.run_sql`) and
-turns the row into a record. Timestamps come from the database; ids from the caller.
+of the SQL-text statements, runs each in autocommit
+(:func:`~payorch.storage._driver_sql.run_sql`) and turns the row into a record. Timestamps
+come from the database; ids from the caller.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from ..records import OPERATION_COLUMNS, NewOperation, OperationRecord
 from . import _citus_writes as citus_writes
 from ._claims import claim_detail
 from ._distribution import is_distributed
-from ._engine import run_in_transaction, run_sql, run_sql_rows
+from ._driver_sql import run_sql, run_sql_rows
+from ._engine import run_in_transaction
 from ._folded import claim_event
 from ._replication import gate
 from ._statements import (

@@ -44,7 +44,8 @@ from sqlalchemy.engine import Engine
 
 from ..errors import ConfigurationError, DatabaseReadOnly, SyncStandbyUnavailable
 from ..observing import _logs as logs
-from ._engine import read_in_transaction, run_sql
+from ._driver_sql import run_sql
+from ._engine import read_in_transaction
 from ._sessions import refuse_autocommit
 
 __all__ = [

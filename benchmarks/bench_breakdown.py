@@ -30,7 +30,7 @@ import bench_execute as bx
 from payorch import AsyncExecutor, AsyncStore, Executor, Store
 from payorch.execution._async import _Bridged
 from payorch.operations import Registry, default_registry
-from payorch.storage import _engine as engine_module
+from payorch.storage import _driver_sql as engine_module
 from payorch.storage._store import Store as StoreClass
 
 __all__ = ["PHASES", "Breakdown", "measure", "print_breakdown", "summary"]

@@ -222,3 +222,18 @@ def test_the_reconciler_pick_is_planned_on_each_run(fresh: Store) -> None:
     picks = [s for s in sent if "next_check_at <=" in s.statement]
     assert len(picks) == 2 and all(s.prepare is False for s in picks)
     assert one(sent, "INSERT INTO payorch_operations").prepare is None
+
+
+def test_the_gauges_are_planned_on_each_scrape(fresh: Store) -> None:
+    """The scrape's counts read partial indexes that a generic plan chosen on a fresh, tiny
+    table would skip for a scan of the whole table: its transaction (only) plans them per
+    run, set by its first statement."""
+    gauges: list[dict[str, Any]] = []
+    sent = sent_by(fresh, lambda store: gauges.append(store.read_gauges()))
+    first = next(s for s in sent if "set_config" in s.statement)
+    assert sorted(map(str, first.parameters.values())) == [
+        "True",
+        "force_custom_plan",
+        "plan_cache_mode",
+    ]  # transaction-local
+    assert gauges[0]["attention"] == 0 and gauges[0]["by_state"]["in_progress"] == 0

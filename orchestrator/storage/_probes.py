@@ -79,8 +79,15 @@ def read_gauges(store: Probed) -> dict[str, Any]:
         sa.select(sa.func.count()).select_from(effects).where(sa.and_(effects.c.needs_attention))
     )
 
+    clock = sa.select(db_now())
+    if store.is_postgres:
+        # Planned on each scrape for the tables as they are (transaction-local): a cached
+        # generic plan, chosen while a fresh table was empty, could count a partial index's
+        # rows with a scan of the whole table until the first ANALYZE.
+        clock = clock.add_columns(sa.func.set_config("plan_cache_mode", "force_custom_plan", True))
+
     def read(conn: sa.Connection) -> dict[str, Any]:
-        now = conn.execute(sa.select(db_now())).scalar_one()
+        now = conn.execute(clock).one()[0]
         by_state = {State.IN_PROGRESS.value: 0, State.OUTCOME_UNKNOWN.value: 0}
         due_now, oldest_unknown = 0, None
         for state, count, due_count, oldest in conn.execute(active).all():

@@ -40,6 +40,7 @@ KEYS = (
     (PK, "tenant_id, id", "id, tenant_id"),
     (NAMESPACE, "tenant_id, operation, idempotency_key", "idempotency_key, operation, tenant_id"),
 )
+# (before, after): indexed by ``new``.
 DOWNSTREAM_COLUMNS = ("tenant_id, provider, downstream_key", "downstream_key, provider, tenant_id")
 
 
@@ -81,15 +82,14 @@ def _rekey_postgresql(*, new: bool) -> None:
     is built CONCURRENTLY beside the old; the keys then change hands in the migration's
     transaction (a short lock), so a claim always sees its conflict target and the table its
     primary key."""
-    pick = 2 if new else 1
     with op.get_context().autocommit_block():
-        for name, *columns in KEYS:
+        for name, old, later in KEYS:
             op.execute(
-                f"CREATE UNIQUE INDEX CONCURRENTLY {name}_next ON {OPS} ({columns[pick - 1]})"
+                f"CREATE UNIQUE INDEX CONCURRENTLY {name}_next ON {OPS} ({later if new else old})"
             )
         op.execute(
             f"CREATE INDEX CONCURRENTLY {DOWNSTREAM}_next ON {OPS} "
-            f"({DOWNSTREAM_COLUMNS[pick - 1]})"
+            f"({DOWNSTREAM_COLUMNS[new]})"
         )
         listed = f" WHERE {LISTED}" if new else ""
         op.execute(
@@ -113,13 +113,12 @@ def _rekey_sqlite(*, new: bool) -> None:
     """SQLite cannot alter a key: the table is rebuilt as its documented procedure does
     (new table from the stored definition with the keys changed, rows copied, renamed, the
     stored index definitions replayed), so every column and partial index stays as it was."""
-    pick = 2 if new else 1
     bind = op.get_bind()
     stored = bind.exec_driver_sql(
         "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (OPS,)
     ).scalar_one()
-    for name, *columns in KEYS:
-        before, after = columns[2 - pick], columns[pick - 1]
+    for name, old, later in KEYS:
+        before, after = (old, later) if new else (later, old)
         kind = "PRIMARY KEY" if name == PK else "UNIQUE"
         old_text, new_text = f"{name} {kind} ({before})", f"{name} {kind} ({after})"
         if old_text not in stored:
@@ -136,7 +135,7 @@ def _rekey_sqlite(*, new: bool) -> None:
     ]
     listed = f" WHERE {LISTED}" if new else ""
     indexes += [
-        f"CREATE INDEX {DOWNSTREAM} ON {OPS} ({DOWNSTREAM_COLUMNS[pick - 1]})",
+        f"CREATE INDEX {DOWNSTREAM} ON {OPS} ({DOWNSTREAM_COLUMNS[new]})",
         f"CREATE INDEX {CREATED} ON {OPS} (tenant_id, created_at){listed}",
     ]
     if not new:

@@ -139,16 +139,10 @@ def _fetch(
     return cursor.fetchall() if every else [cursor.fetchone()]
 
 
-def _fetch_awaited(
-    cursor: Any,
-    sql: str,
-    params: Mapping[str, Any] | None,
-    every: bool,
-    prepare: bool | None = None,
-) -> list[Any]:
-    """:func:`_fetch` on a cursor of psycopg's AsyncConnection, from sync code under the
-    bridge: the statement and its rows in one await."""
-    return wait_for(_fetch_async(cursor, sql, params, every, prepare))
+def _fetch_awaited(cursor: Any, *args: Any, **kwargs: Any) -> list[Any]:
+    """:func:`_fetch` (the same arguments) on a cursor of psycopg's AsyncConnection, from sync
+    code under the bridge: the statement and its rows in one await."""
+    return wait_for(_fetch_async(cursor, *args, **kwargs))
 
 
 async def _fetch_async(

@@ -24,6 +24,9 @@ and may have reached the provider. No error ever invites a new key.
     │   ├── RequestBodyNotJson              400  an HTTP request body that is not JSON
     │   ├── UnknownProvider                 400  the caller named a provider not configured
     │   ├── ListingUnsupported              400  that provider's adapter cannot list effects
+    │   ├── SettlementReportInvalid         400  a settlement file that cannot be read (names
+    │   │                                        its file, row, column); nothing imported
+    │   ├── SettlementAccountMismatch       400  a settlement file of another merchant account
     │   └── InvalidMessage                  400  an outbox or consumer message that cannot
     │                                            be stored (no id, not JSON, too long)
     ├── IdempotencyError
@@ -99,6 +102,8 @@ __all__ = [
     "RequestBodyNotJson",
     "RequestValidationFailed",
     "SchemaNotReady",
+    "SettlementAccountMismatch",
+    "SettlementReportInvalid",
     "StaleVersion",
     "StateConflict",
     "StorageError",
@@ -408,6 +413,33 @@ class ListingUnsupported(InvalidRequest):
     :class:`~payorch.provider.EffectLister`), so no listing can be checked against it."""
 
     problem_type = "urn:payorch:problem:listing-unsupported"
+
+
+class SettlementReportInvalid(InvalidRequest):
+    """A settlement report that cannot be read as its format documents it (another format,
+    a missing column, a truncated file, an unparsable amount or date): ``file``, ``row`` (the
+    file's line number, the header is 1) and ``column`` say where. Nothing of the file is
+    imported."""
+
+    problem_type = "urn:payorch:problem:settlement-report-invalid"
+
+    def __init__(
+        self, message: str, *, file: str, row: int | None = None, column: str | None = None
+    ) -> None:
+        where = file if row is None else f"{file}, row {row}"
+        if column is not None:
+            where += f", column {column!r}"
+        super().__init__(f"{where}: {message}")
+        self.file = file
+        self.row = row
+        self.column = column
+
+
+class SettlementAccountMismatch(InvalidRequest):
+    """A settlement report of a merchant account other than the one it is imported for:
+    refused, nothing imported."""
+
+    problem_type = "urn:payorch:problem:settlement-account-mismatch"
 
 
 class ProviderListingFailed(ProviderError):

@@ -37,7 +37,16 @@ from payorch.operations import default_registry
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.storage._async_store import AsyncStore
 from payorch.storage._store import Store
-from payorch.storage._tables import effects, events, operations, outbox, webhook_inbox
+from payorch.storage._tables import (
+    effects,
+    events,
+    operations,
+    outbox,
+    recon_files,
+    recon_providers,
+    recon_rows,
+    webhook_inbox,
+)
 
 # Fixtures shared by one family of test modules, kept beside that family's helpers.
 pytest_plugins = ["stripe_helpers", "unexplained_helpers", "stripe_emulator", "adyen_emulator"]
@@ -137,7 +146,17 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 _EMPTIED = "; ".join(
-    f"DELETE FROM {t.name}" for t in (operations, events, webhook_inbox, outbox, effects)
+    f"DELETE FROM {t.name}"
+    for t in (
+        operations,
+        events,
+        webhook_inbox,
+        outbox,
+        effects,
+        recon_files,
+        recon_rows,
+        recon_providers,
+    )
 )
 
 

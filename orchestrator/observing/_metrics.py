@@ -22,7 +22,7 @@ import asyncio
 import functools
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from typing import Any, Protocol, TypeVar, cast
 
 try:
@@ -435,67 +435,20 @@ class StoreGauges(Collector):
             gauge = GaugeMetricFamily(name, text)
             gauge.add_metric([], values[key])
             yield gauge
+        # Here, not at the top: it needs prometheus_client, which collect() implies.
+        from ._families import outbox_gauges, recon_gauges, replication_gauges
+
         if "outbox" in values:
-            yield from _outbox_gauges(values["outbox"], values.get("effects_attention", 0))
+            yield from outbox_gauges(values["outbox"], values.get("effects_attention", 0))
+        if "recon" in values:
+            yield from recon_gauges(values["recon"])
         if "replication" in values:
-            yield from _replication_gauges(values["replication"])
+            yield from replication_gauges(values["replication"])
 
 
 def _retrieved(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()
-
-
-def _outbox_gauges(box: Mapping[str, Any], effects_attention: int) -> Iterator[Any]:
-    """The outbox's backlog and dead letters, and payorch.once's escalated effects."""
-    messages = GaugeMetricFamily(
-        "payorch_outbox_messages", "Outbox messages not delivered, by state", labels=["state"]
-    )
-    messages.add_metric(["pending"], box["pending"])
-    messages.add_metric(["dead"], box["dead"])
-    yield messages
-    for name, text, value in (
-        ("payorch_outbox_due_messages", "Outbox messages due for delivery now", box["due"]),
-        (
-            "payorch_outbox_oldest_pending_age_seconds",
-            "Age of the oldest pending outbox message (0: none)",
-            box["oldest_pending_age"],
-        ),
-        (
-            "payorch_effects_needs_attention",
-            "Effects (payorch.once) escalated for a human",
-            effects_attention,
-        ),
-    ):
-        gauge = GaugeMetricFamily(name, text)
-        gauge.add_metric([], value)
-        yield gauge
-
-
-def _replication_gauges(status: Mapping[str, Any]) -> Iterator[Any]:
-    """The PostgreSQL replication mode (one series per mode, 1 for the current one) and
-    the standbys streaming (absent when the role may not see them)."""
-    mode = GaugeMetricFamily(
-        "payorch_database_replication_mode",
-        "1 for the database's replication mode now (sync: commits wait for a streaming "
-        "synchronous standby), 0 for the others",
-        labels=["mode"],
-    )
-    for name in status["modes"]:
-        mode.add_metric([name], 1.0 if status["mode"] == name else 0.0)
-    yield mode
-    for name, text, value in (
-        (
-            "payorch_database_sync_standbys",
-            "Synchronous standbys streaming",
-            status["sync_standbys"],
-        ),
-        ("payorch_database_standbys", "Standbys streaming", status["standbys"]),
-    ):
-        if value is not None:
-            gauge = GaugeMetricFamily(name, text)
-            gauge.add_metric([], float(value))
-            yield gauge
 
 
 _watched: list[StoreGauges] = []

@@ -22,7 +22,18 @@ from ..observing import _metrics
 from ._bridge import run_bridged
 from ._engine import read_in_transaction
 from ._replication import MODES, Guard, Status
-from ._tables import db_now, effects, is_active, is_dead, is_flagged, is_pending, operations, outbox
+from ._tables import (
+    db_now,
+    effects,
+    is_active,
+    is_dead,
+    is_flagged,
+    is_pending,
+    operations,
+    outbox,
+    recon_providers,
+    recon_rows,
+)
 
 __all__ = [
     "AsyncGauges",
@@ -79,6 +90,15 @@ def read_gauges(store: Probed) -> dict[str, Any]:
         sa.select(sa.func.count()).select_from(effects).where(sa.and_(effects.c.needs_attention))
     )
 
+    # Settlement reconciliation: duplicate rows (their class index), and what each provider's
+    # settlements still owe as the last import or report counted it (one row per provider).
+    duplicates = (
+        sa.select(recon_rows.c.provider, sa.func.count())
+        .where(recon_rows.c["class"] == sa.literal_column("'duplicate'"))
+        .group_by(recon_rows.c.provider)
+    )
+    owed = sa.select(recon_providers)
+
     clock = sa.select(db_now())
     if store.is_postgres:
         # Planned on each scrape for the tables as they are (transaction-local): a cached
@@ -110,6 +130,22 @@ def read_gauges(store: Probed) -> dict[str, Any]:
                 "oldest_pending_age": max(message_age, 0.0),
             },
             "effects_attention": int(conn.execute(effects_flagged).scalar_one()),
+            "recon": {
+                "duplicates": {str(p): int(n) for p, n in conn.execute(duplicates).all()},
+                "providers": [
+                    {
+                        "provider": row["provider"],
+                        "expected": int(row["expected"]),
+                        "overdue": int(row["overdue"]),
+                        "oldest_expected_age": max(
+                            (now - row["oldest_expected_at"]).total_seconds(), 0.0
+                        )
+                        if row["oldest_expected_at"] is not None
+                        else 0.0,
+                    }
+                    for row in conn.execute(owed).mappings()
+                ],
+            },
         }
 
     values = read_in_transaction(store.engine, read)

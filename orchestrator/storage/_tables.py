@@ -50,6 +50,9 @@ __all__ = [
     "metadata",
     "operations",
     "outbox",
+    "recon_files",
+    "recon_providers",
+    "recon_rows",
     "webhook_inbox",
 ]
 
@@ -416,4 +419,78 @@ effects = sa.Table(
         sqlite_where=sa.text("needs_attention = 1"),
     ),
     sa.Index("ix_payorch_effects_retention", "tenant_id", "retain_until"),
+)
+
+
+# Settlement reports (payorch.recon): the files imported and their rows, judged. Keyed by
+# provider and merchant account, not by tenant: a report is the account's, and its rows
+# find their operations (of any tenant) by reference. On Citus they stay on the coordinator
+# (docs/reconciliation.md): imported in batch by operators, never on a payment's path.
+recon_files = sa.Table(
+    "payorch_recon_files",
+    metadata,
+    sa.Column("provider", sa.String(64), nullable=False),
+    sa.Column("account", sa.String(80), nullable=False),
+    sa.Column("digest", sa.String(64), nullable=False),
+    sa.Column("name", sa.String(255), nullable=False),
+    sa.Column("format", sa.String(16), nullable=False),
+    sa.Column("kind", sa.String(40), nullable=False),
+    sa.Column("rows", sa.Integer, nullable=False),
+    sa.Column("new_rows", sa.Integer, nullable=False),
+    sa.Column("first_at", UTCDateTime()),
+    sa.Column("last_at", UTCDateTime()),
+    sa.Column("imported_at", UTCDateTime(), nullable=False),
+    sa.PrimaryKeyConstraint("provider", "account", "digest", name="pk_payorch_recon_files"),
+)
+
+recon_rows = sa.Table(
+    "payorch_recon_rows",
+    metadata,
+    sa.Column("provider", sa.String(64), nullable=False),
+    sa.Column("account", sa.String(80), nullable=False),
+    sa.Column("row_key", sa.String(128), nullable=False),
+    sa.Column("file_digest", sa.String(64), nullable=False),
+    sa.Column("line", sa.Integer, nullable=False),
+    sa.Column("entry", sa.String(24), nullable=False),
+    sa.Column("category", sa.String(80), nullable=False),
+    sa.Column("batch", sa.String(80)),
+    sa.Column("booked_at", UTCDateTime(), nullable=False),
+    sa.Column("reference", sa.String(255)),
+    sa.Column("payment_reference", sa.String(255)),
+    sa.Column("merchant_reference", sa.String(255)),
+    sa.Column("amount", sa.BigInteger),
+    sa.Column("currency", sa.String(3)),
+    sa.Column("net_currency", sa.String(3), nullable=False),
+    sa.Column("net", sa.BigInteger, nullable=False),
+    sa.Column("fee", sa.BigInteger),
+    # None until judged (matched, mismatch, settles_unknown, contradiction, duplicate,
+    # orphan, other): an import that stopped half-way is finished by the next one.
+    sa.Column("class", sa.String(24)),
+    sa.Column("tenant_id", sa.String(64)),
+    sa.Column("operation_id", sa.String(36)),
+    sa.Column("detail", StoredJSON()),
+    sa.Column("imported_at", UTCDateTime(), nullable=False),
+    sa.Column("judged_at", UTCDateTime()),
+    sa.PrimaryKeyConstraint("provider", "account", "row_key", name="pk_payorch_recon_rows"),
+    sa.Index("ix_payorch_recon_rows_file", "file_digest", "line"),
+    sa.Index("ix_payorch_recon_rows_batch", "provider", "account", "batch"),
+    sa.Index("ix_payorch_recon_rows_reference", "provider", "reference"),
+    sa.Index("ix_payorch_recon_rows_payment", "provider", "payment_reference"),
+    sa.Index("ix_payorch_recon_rows_operation", "tenant_id", "operation_id"),
+    sa.Index("ix_payorch_recon_rows_class", "provider", "class"),
+)
+
+# What each provider's settlements still owe: operations that succeeded and no report has
+# shown yet, as the last import or report counted them (the metrics read it).
+recon_providers = sa.Table(
+    "payorch_recon_providers",
+    metadata,
+    sa.Column("provider", sa.String(64), nullable=False),
+    sa.Column("since", UTCDateTime(), nullable=False),
+    sa.Column("lag_seconds", sa.Integer, nullable=False),
+    sa.Column("expected", sa.Integer, nullable=False),
+    sa.Column("overdue", sa.Integer, nullable=False),
+    sa.Column("oldest_expected_at", UTCDateTime()),
+    sa.Column("checked_at", UTCDateTime(), nullable=False),
+    sa.PrimaryKeyConstraint("provider", name="pk_payorch_recon_providers"),
 )

@@ -124,6 +124,9 @@ class Ledger:
         }
         if payload.get("capture_method") == "manual":
             data["capture_method"] = "manual"
+        for name in ("payment_intent", "amount_to_capture"):  # a capture's or a refund's
+            if payload.get(name) is not None:
+                data[name] = payload[name]
         if status is EffectStatus.DECLINED:
             data["failure_code"] = "card_declined"
             data["decline_code"] = "generic_decline"

@@ -20,7 +20,7 @@ import struct
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
@@ -271,6 +271,23 @@ class SandboxServer:
     def ledger(self) -> list[dict[str, Any]]:
         """Every entry, status lag ignored."""
         return self._acquirer.ledger.entries()
+
+    def settlement_report(
+        self,
+        *,
+        format: str = "stripe",
+        batch: str | int = 1,
+        fee: Callable[[int], int] | None = None,
+        effects: Collection[str] | None = None,
+    ) -> bytes:
+        """The ledger's money movements as one batch of a settlement report, in Stripe's
+        itemized format or Adyen's Settlement details format (``fee``: per captured amount;
+        ``effects``: only these ids), for ``payorch recon import --provider sandbox``."""
+        from ._report import settlement_report  # payorch.recon: only when asked
+
+        return settlement_report(
+            self.ledger(), format=format, batch=batch, fee=fee, effects=effects
+        )
 
     def effects_for(self, key: str) -> list[dict[str, Any]]:
         """Effects made under ``key``: a downstream key (or a namespace ref) as payorch sent

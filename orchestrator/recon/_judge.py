@@ -1,0 +1,330 @@
+"""Judging a settlement row: which operation it is the effect of, and what it proves.
+
+Each row that is an effect payorch makes (a capture, a refund) is matched to an operation
+by the provider's reference, then by payorch's downstream key (Adyen's merchant reference),
+then by the payorch tags its metadata columns carry; then classified (:class:`RowClass`).
+What it proves is applied to the operation in the transaction that records the row's class:
+an unknown operation is settled as a status query's evidence would settle it (audited as
+``resolution=settlement``); a final state it contradicts is flagged, never rewritten; a
+second effect for one namespace is flagged with both references.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy.engine import Connection
+
+from ..core import State, downstream_key
+from ..errors import CorruptRecord, OperationNotFound, StaleVersion
+from ..observing import _logs as logs
+from ..outcome import settled
+from ..provider import TAG_KEY, TAG_OPERATION, TAG_REF, TAG_TENANT, Answer, AnswerKind
+from ..records import OperationRecord
+from ..storage._store import Store
+from . import _ledger as ledger
+from ._rows import Entry
+
+__all__ = ["RESOLUTION", "ReconPolicy", "RowClass", "Verdict", "judge_pending"]
+
+RESOLUTION = "settlement"  # the resolution of an operation a settlement row settled
+_ATTEMPTS = 3  # an operation that keeps changing under a judgement: judged again
+
+log = logging.getLogger("payorch.recon")
+
+
+class RowClass(enum.StrEnum):
+    """What a settlement row is, against the operations (docs/reconciliation.md)."""
+
+    MATCHED = "matched"  # the effect of a succeeded operation, same amount and currency
+    MISMATCH = "mismatch"  # of a succeeded operation, another amount or currency: flagged
+    SETTLES_UNKNOWN = "settles_unknown"  # settled an unknown operation as its evidence
+    CONTRADICTION = "contradiction"  # of an operation that failed finally: flagged
+    DUPLICATE = "duplicate"  # a second effect for one namespace: flagged critical
+    ORPHAN = "orphan"  # no operation's: listed, adoptable when its tags allow
+    OTHER = "other"  # fees, payouts, chargebacks, corrections: in the batch's sum
+
+    @property
+    def flagged(self) -> bool:
+        return self in _FLAGGED
+
+
+_FLAGGED = frozenset({RowClass.MISMATCH, RowClass.CONTRADICTION, RowClass.DUPLICATE})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReconPolicy:
+    """How settlement rows meet operations.
+
+    ``operations``: per kind of row, the operation types whose effect it can be, preferred
+    first (a capture's ``pi_…`` is held by its ``payment.capture`` and by the
+    ``payment.create`` it captured). ``expected``: the operation types a report must show
+    once they succeed; ``settlement_lag``: how long after succeeding one may be missing from
+    every report before it is flagged."""
+
+    operations: Mapping[Entry, Sequence[str]] = field(
+        default_factory=lambda: {
+            Entry.CAPTURE: ("payment.capture", "payment.create"),
+            Entry.REFUND: ("refund.create",),
+        }
+    )
+    expected: Sequence[str] = ("payment.create", "payment.capture", "refund.create")
+    settlement_lag: timedelta = timedelta(days=3)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A row's class, the operation it was matched to, and what was written about it."""
+
+    row_key: str
+    klass: RowClass
+    operation: OperationRecord | None
+    detail: Mapping[str, Any]
+
+
+class _Candidates:
+    """The operations each row may be the effect of, read in bulk for the whole file."""
+
+    def __init__(self, store: Store, provider: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        refs: set[str] = set()
+        keys: set[str] = set()
+        for row in rows:
+            refs.update(r for r in (row["reference"], row["payment_reference"]) if r)
+            keys.update(k for k in (row["merchant_reference"], _tag_key(row)) if k)
+        self.by_reference = ledger.by_references(store, provider, refs)
+        self.by_key = ledger.by_downstream_keys(store, provider, keys)
+        self.store = store
+
+    def find(
+        self, row: Mapping[str, Any], policy: ReconPolicy
+    ) -> tuple[OperationRecord | None, str | None]:
+        entry = Entry(row["entry"])
+        wanted = tuple(policy.operations.get(entry, ()))
+        refs = [row["reference"]]
+        if entry is Entry.CAPTURE:
+            refs.append(row["payment_reference"])
+        tries: list[tuple[str, list[OperationRecord]]] = [
+            ("reference", [op for ref in refs if ref for op in self.by_reference.get(ref, [])]),
+            ("downstream_key", list(self.by_key.get(row["merchant_reference"] or "", []))),
+            ("downstream_key", list(self.by_key.get(_tag_key(row) or "", []))),
+            ("namespace", self._namespace(row)),
+        ]
+        for how, found in tries:
+            chosen = _prefer(found, wanted)
+            if chosen is not None:
+                return chosen, how
+        return None, None
+
+    def _namespace(self, row: Mapping[str, Any]) -> list[OperationRecord]:
+        tags = _tags(row)
+        tenant, operation, key = tags.get(TAG_TENANT), tags.get(TAG_OPERATION), tags.get(TAG_KEY)
+        if not (tenant and operation and key):
+            return []
+        try:
+            return [self.store.get_by_namespace(tenant, operation, key)]
+        except (OperationNotFound, CorruptRecord):
+            return []
+
+
+def _tags(row: Mapping[str, Any]) -> Mapping[str, str]:
+    detail = row.get("detail") or {}
+    tags = detail.get("tags") if isinstance(detail, Mapping) else None
+    return tags if isinstance(tags, Mapping) else {}
+
+
+def _tag_key(row: Mapping[str, Any]) -> str | None:
+    ref = _tags(row).get(TAG_REF)
+    try:
+        return downstream_key(ref) if ref else None
+    except ValueError:
+        return None
+
+
+def _prefer(found: Sequence[OperationRecord], wanted: Sequence[str]) -> OperationRecord | None:
+    if not found:
+        return None
+    for operation in wanted:
+        for record in found:
+            if record.operation == operation:
+                return record
+    return found[0] if not wanted else None
+
+
+def _summary(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The row as evidence on the operation's event log."""
+    return {
+        "row": row["row_key"],
+        "file": row["file_digest"],
+        "line": row["line"],
+        "category": row["category"],
+        "batch": row["batch"],
+        "reference": row["reference"],
+        "amount": row["amount"],
+        "currency": row["currency"],
+        "booked_at": row["booked_at"].isoformat(),
+    }
+
+
+def _same_effect(record: OperationRecord, row: Mapping[str, Any]) -> bool:
+    refs = {row["reference"]}
+    if Entry(row["entry"]) is Entry.CAPTURE:
+        refs.add(row["payment_reference"])
+    return record.provider_reference is None or record.provider_reference in refs
+
+
+def _mismatch(record: OperationRecord, row: Mapping[str, Any]) -> str | None:
+    currency, amount = row["currency"], row["amount"]
+    if record.currency and currency and record.currency.upper() != currency:
+        return f"currency {currency}, the operation's is {record.currency}"
+    if record.amount is not None and amount is not None and record.amount != amount:
+        return f"amount {amount}, the operation's is {record.amount}"
+    return None
+
+
+class Judge:
+    """Judges one account's pending rows against the store (one instance per import)."""
+
+    def __init__(
+        self, store: Store, provider: str, account: str, policy: ReconPolicy, actor: str
+    ) -> None:
+        self.store = store
+        self.provider = provider
+        self.account = account
+        self.policy = policy
+        self.actor = actor
+
+    def judge(self, row: Mapping[str, Any], candidates: _Candidates) -> Verdict:
+        entry = Entry(row["entry"])
+        if not entry.effect:
+            return self._record(row, RowClass.OTHER, None, {})
+        found, how = candidates.find(row, self.policy)
+        if found is None:
+            return self._record(row, RowClass.ORPHAN, None, {"note": "no operation's effect"})
+        for _ in range(_ATTEMPTS):
+            try:
+                record = self.store.get(found.tenant_id, found.id)
+            except OperationNotFound:
+                break
+            try:
+                return self._apply(row, record, how or "reference")
+            except StaleVersion:
+                continue  # written since it was read: judge it again as it stands now
+        note = "its operation kept changing while it was judged; look again"
+        return self._record(row, RowClass.ORPHAN, None, {"note": note})
+
+    def _apply(self, row: Mapping[str, Any], record: OperationRecord, how: str) -> Verdict:
+        detail: dict[str, Any] = {"matched_by": how}
+        evidence = {"settlement": _summary(row), "matched_by": how}
+        if not _same_effect(record, row):
+            detail["references"] = [record.provider_reference, row["reference"]]
+            evidence["references"] = detail["references"]
+            evidence["decision"] = "a second effect for one namespace: flagged"
+            return self._flag(row, record, RowClass.DUPLICATE, detail, evidence)
+        wrong = _mismatch(record, row)
+        if wrong is not None:
+            detail["mismatch"] = evidence["mismatch"] = wrong
+        if record.state is State.FAILED_FINAL:
+            detail["conflicts_with"] = evidence["conflicts_with"] = record.state.value
+            evidence["decision"] = "a settled effect of an operation that failed: flagged"
+            return self._flag(row, record, RowClass.CONTRADICTION, detail, evidence)
+        if not record.terminal:
+            return self._settle(row, record, detail, evidence, flag=wrong is not None)
+        if wrong is not None:
+            evidence["decision"] = "settled with another amount or currency: flagged"
+            return self._flag(row, record, RowClass.MISMATCH, detail, evidence)
+        return self._record(row, RowClass.MATCHED, record, detail)
+
+    def _record(
+        self, row: Mapping[str, Any], klass: RowClass, record: OperationRecord | None,
+        detail: Mapping[str, Any],
+    ) -> Verdict:  # fmt: skip
+        kept = {**(row.get("detail") or {}), **detail}
+        ledger.run(
+            self.store,
+            ledger.judged((self.provider, self.account, row["row_key"]), klass, record, kept),
+        )
+        return Verdict(row["row_key"], klass, record, kept)
+
+    def _also(
+        self, row: Mapping[str, Any], klass: RowClass, detail: Mapping[str, Any]
+    ) -> Callable[[Connection, OperationRecord], None]:
+        kept = {**(row.get("detail") or {}), **detail}
+
+        def write(conn: Connection, record: OperationRecord) -> None:
+            conn.execute(
+                ledger.judged((self.provider, self.account, row["row_key"]), klass, record, kept)
+            )
+
+        return write
+
+    def _flag(
+        self, row: Mapping[str, Any], record: OperationRecord, klass: RowClass,
+        detail: dict[str, Any], evidence: dict[str, Any],
+    ) -> Verdict:  # fmt: skip
+        flagged = self.store.flag_attention(
+            record,
+            kind=f"settlement_{klass.value}",
+            actor=self.actor,
+            detail=evidence,
+            also=self._also(row, klass, detail),
+        )
+        logs.emit(
+            log,
+            logging.WARNING if klass is not RowClass.DUPLICATE else logging.ERROR,
+            f"recon.{klass.value}",
+            provider=self.provider,
+            row=row["row_key"],
+            op=record.id,
+            tenant=record.tenant_id,
+            reference=row["reference"],
+        )
+        return Verdict(row["row_key"], klass, flagged, {**(row.get("detail") or {}), **detail})
+
+    def _settle(
+        self, row: Mapping[str, Any], record: OperationRecord, detail: dict[str, Any],
+        evidence: dict[str, Any], *, flag: bool,
+    ) -> Verdict:  # fmt: skip
+        ref = record.provider_reference or row["reference"]
+        decision = settled(Answer(kind=AnswerKind.SUCCEEDED, provider_reference=ref))
+        assert decision is not None
+        evidence["decision"] = "a settled effect: the operation succeeded"
+        after = self.store.transition(
+            record,
+            State.SUCCEEDED,
+            kind=RESOLUTION,
+            actor=self.actor,
+            detail=evidence,
+            provider_reference=ref,
+            response=decision.response,
+            error_code=None,
+            resolution=RESOLUTION,
+            checks_delta=1,
+            # Settled by evidence: nothing left for a human, unless the amounts differ.
+            needs_attention=flag,
+            also=self._also(row, RowClass.SETTLES_UNKNOWN, detail),
+        )
+        logs.transition(record, after, RESOLUTION, evidence, logger=log)
+        return Verdict(
+            row["row_key"],
+            RowClass.SETTLES_UNKNOWN,
+            after,
+            {**(row.get("detail") or {}), **detail},
+        )
+
+
+def judge_pending(
+    store: Store, provider: str, account: str, policy: ReconPolicy, actor: str
+) -> list[Verdict]:
+    """Judge every row of the account not judged yet (this import's, and any an earlier
+    import left when it stopped), in booking order."""
+    rows = ledger.pending(store, provider, account)
+    if not rows:
+        return []
+    candidates = _Candidates(store, provider, rows)
+    judge = Judge(store, provider, account, policy, actor)
+    return [judge.judge(row, candidates) for row in rows]

@@ -1,0 +1,280 @@
+"""The recon tables' statements: a file and its rows stored in one transaction, rows judged,
+operations looked up in bulk by what a report names, and the sums a report shows."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from ..records import OperationRecord
+from ..storage._engine import read_in_transaction, run_in_transaction
+from ..storage._store import Store
+from ..storage._tables import db_now, operations, recon_files, recon_providers, recon_rows
+from ._rows import ParsedReport, SettlementRow
+
+__all__ = ["Stored", "by_downstream_keys", "by_references", "pending", "store_report"]
+
+_CHUNK = 500  # values per IN list: one statement per chunk, whatever the file's size
+_ROW_CHUNK = 1000  # rows per INSERT
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What storing a file did: whether the file was new, and the keys of its new rows."""
+
+    new_file: bool
+    new_keys: frozenset[str]
+
+
+def _chunks(values: Sequence[Any], size: int = _CHUNK) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(values), size):
+        yield values[start : start + size]
+
+
+def _row_values(
+    report: ParsedReport, row: SettlementRow, where: tuple[str, str], now: datetime
+) -> dict[str, Any]:
+    provider, account = where
+    detail: dict[str, Any] = {"raw": dict(row.raw)}
+    if row.tags:
+        detail["tags"] = dict(row.tags)
+    return {
+        "provider": provider,
+        "account": account,
+        "row_key": row.key,
+        "file_digest": report.digest,
+        "line": row.line,
+        "entry": row.entry.value,
+        "category": row.category[:80],
+        "batch": row.batch,
+        "booked_at": row.created_at,
+        "reference": row.reference,
+        "payment_reference": row.payment_reference,
+        "merchant_reference": row.merchant_reference,
+        "amount": row.amount,
+        "currency": row.currency,
+        "net_currency": row.net_currency,
+        "net": row.net,
+        "fee": row.fee,
+        "class": None,
+        "tenant_id": None,
+        "operation_id": None,
+        "detail": detail,
+        "imported_at": now,
+        "judged_at": None,
+    }
+
+
+def store_report(store: Store, report: ParsedReport, provider: str, account: str) -> Stored:
+    """Store ``report``'s file and its rows not stored before (by provider, account and row
+    key), in one transaction: all of the file or nothing."""
+    keys = [row.key for row in report.rows]
+    times = [row.created_at for row in report.rows]
+    r = recon_rows.c
+
+    def txn(conn: Connection) -> Stored:
+        known_file = conn.execute(
+            sa.select(recon_files.c.digest).where(
+                recon_files.c.provider == provider,
+                recon_files.c.account == account,
+                recon_files.c.digest == report.digest,
+            )
+        ).first()
+        known: set[str] = set()
+        for chunk in _chunks(keys):
+            known.update(
+                conn.execute(
+                    sa.select(r.row_key).where(
+                        r.provider == provider, r.account == account, r.row_key.in_(chunk)
+                    )
+                ).scalars()
+            )
+        new = [row for row in report.rows if row.key not in known]
+        # One time for the file's rows (an executemany takes values, not SQL per row).
+        now = conn.execute(sa.select(db_now())).scalar_one()
+        for chunk in _chunks(new, _ROW_CHUNK):
+            values = [_row_values(report, row, (provider, account), now) for row in chunk]
+            conn.execute(recon_rows.insert(), values)
+        if known_file is None:
+            conn.execute(
+                recon_files.insert().values(
+                    provider=provider,
+                    account=account,
+                    digest=report.digest,
+                    name=report.name[-255:],
+                    format=report.format,
+                    kind=report.kind,
+                    rows=len(report.rows),
+                    new_rows=len(new),
+                    first_at=min(times) if times else None,
+                    last_at=max(times) if times else None,
+                    imported_at=db_now(),
+                )
+            )
+        return Stored(new_file=known_file is None, new_keys=frozenset(row.key for row in new))
+
+    return run_in_transaction(store.engine, txn)
+
+
+def pending(store: Store, provider: str, account: str) -> list[Mapping[str, Any]]:
+    """The account's rows not judged yet, in booking order (a file's, or a stopped one's)."""
+    r = recon_rows.c
+    query = (
+        sa.select(recon_rows)
+        .where(r.provider == provider, r.account == account, r["class"].is_(None))
+        .order_by(r.booked_at, r.file_digest, r.line)
+    )
+    return read_in_transaction(
+        store.engine, lambda conn: [dict(m) for m in conn.execute(query).mappings()]
+    )
+
+
+def judged(
+    where: tuple[str, str, str],
+    klass: str,
+    record: OperationRecord | None,
+    detail: Mapping[str, Any],
+) -> sa.Update:
+    """The UPDATE that records a row's class (run in the transaction that acts on it)."""
+    provider, account, key = where
+    r = recon_rows.c
+    return (
+        recon_rows.update()
+        .where(r.provider == provider, r.account == account, r.row_key == key)
+        .values(
+            {
+                "class": klass,
+                "tenant_id": record.tenant_id if record is not None else None,
+                "operation_id": record.id if record is not None else None,
+                "detail": dict(detail),
+                "judged_at": db_now(),
+            }
+        )
+    )
+
+
+def run(store: Store, statement: sa.Executable) -> None:
+    run_in_transaction(store.engine, lambda conn: conn.execute(statement))
+
+
+def _operations(
+    store: Store, provider: str, column: sa.Column[Any], values: Collection[str]
+) -> list[OperationRecord]:
+    t = operations.c
+    found: list[OperationRecord] = []
+    distinct = sorted(set(values))
+
+    def read(conn: Connection) -> None:
+        for chunk in _chunks(distinct):
+            rows = conn.execute(
+                sa.select(operations).where(t.provider == provider, column.in_(chunk))
+            ).mappings()
+            found.extend(OperationRecord.from_row(row) for row in rows)
+
+    if distinct:
+        read_in_transaction(store.engine, read)
+    return found
+
+
+def by_references(
+    store: Store, provider: str, references: Iterable[str]
+) -> dict[str, list[OperationRecord]]:
+    """The operations (of any tenant) holding each provider reference."""
+    out: dict[str, list[OperationRecord]] = {}
+    refs = [ref for ref in references if ref]
+    for record in _operations(store, provider, operations.c.provider_reference, refs):
+        assert record.provider_reference is not None
+        out.setdefault(record.provider_reference, []).append(record)
+    return out
+
+
+def by_downstream_keys(
+    store: Store, provider: str, keys: Iterable[str]
+) -> dict[str, list[OperationRecord]]:
+    """The operations (of any tenant) that sent each downstream key."""
+    out: dict[str, list[OperationRecord]] = {}
+    wanted = [key for key in keys if key]
+    for record in _operations(store, provider, operations.c.downstream_key, wanted):
+        out.setdefault(record.downstream_key, []).append(record)
+    return out
+
+
+def seen_references(store: Store, provider: str, references: Collection[str]) -> set[str]:
+    """Which of ``references`` a stored row of ``provider`` names (as its own or its
+    payment's)."""
+    r = recon_rows.c
+    seen: set[str] = set()
+    refs = sorted(set(references))
+
+    def read(conn: Connection) -> None:
+        for chunk in _chunks(refs):
+            for column in (r.reference, r.payment_reference):
+                seen.update(
+                    conn.execute(
+                        sa.select(column).where(r.provider == provider, column.in_(chunk))
+                    ).scalars()
+                )
+
+    if refs:
+        read_in_transaction(store.engine, read)
+    return seen
+
+
+def first_booked(store: Store, provider: str) -> datetime | None:
+    r = recon_rows.c
+    return read_in_transaction(
+        store.engine,
+        lambda conn: conn.execute(
+            sa.select(sa.func.min(r.booked_at)).where(r.provider == provider)
+        ).scalar(),
+    )
+
+
+def save_expected(store: Store, values: Mapping[str, Any]) -> None:
+    """Replace the provider's row of ``payorch_recon_providers``."""
+    p = recon_providers.c
+
+    def txn(conn: Connection) -> None:
+        conn.execute(recon_providers.delete().where(p.provider == values["provider"]))
+        conn.execute(recon_providers.insert().values(**values, checked_at=db_now()))
+
+    run_in_transaction(store.engine, txn)
+
+
+def batch_sums(
+    store: Store, provider: str, account: str, batches: Collection[str] | None = None
+) -> list[Mapping[str, Any]]:
+    """Per batch and settlement currency: rows, the net of the rows that are not the payout,
+    the payout rows' net and count (``batches``: only these; None: every batch)."""
+    r = recon_rows.c
+    is_payout = r.entry == "payout"
+    query = (
+        sa.select(
+            r.batch,
+            r.net_currency,
+            sa.func.count().label("rows"),
+            sa.func.coalesce(sa.func.sum(sa.case((is_payout, 0), else_=r.net)), 0).label("net"),
+            sa.func.coalesce(sa.func.sum(sa.case((is_payout, r.net), else_=0)), 0).label("payout"),
+            sa.func.count(sa.case((is_payout, 1))).label("payouts"),
+        )
+        .where(r.provider == provider, r.account == account, r.batch.is_not(None))
+        .group_by(r.batch, r.net_currency)
+        .order_by(r.batch, r.net_currency)
+    )
+    wanted = sorted(set(batches)) if batches is not None else None
+    if wanted is not None and not wanted:
+        return []
+
+    def read(conn: Connection) -> list[Mapping[str, Any]]:
+        out: list[Mapping[str, Any]] = []
+        for chunk in _chunks(wanted) if wanted is not None else [None]:
+            q = query if chunk is None else query.where(r.batch.in_(chunk))
+            out.extend(dict(m) for m in conn.execute(q).mappings())
+        return out
+
+    return read_in_transaction(store.engine, read)

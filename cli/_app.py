@@ -22,6 +22,7 @@ from ._keys import keys_app
 from ._once import once_app
 from ._ops import ops_app
 from ._outbox import outbox_app
+from ._recon import recon_app
 from ._reconcile import reconcile_app
 from ._runtime import DatabaseUrl, database_url, err, given_url, out, trimmed_stdout
 from ._sandbox import sandbox_app
@@ -170,6 +171,7 @@ app.add_typer(outbox_app, name="outbox")
 app.add_typer(effects_app, name="effects")
 app.add_typer(keys_app, name="keys")
 app.add_typer(reconcile_app, name="reconcile")
+app.add_typer(recon_app, name="recon")
 app.add_typer(sandbox_app, name="sandbox")
 app.command("stats")(stats_cmd)
 app.command("types")(types_cmd)

@@ -57,6 +57,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     # After the payment: the outbox and its relay, and effects done once, over the store.
     "outbox": frozenset({"base", "observing", "storage"}),
     "once": frozenset({"base", "observing", "storage"}),
+    # Settlement reports as evidence: stored, then judged as the reconciler judges evidence.
+    "recon": frozenset({"base", "observing", "storage", "execution", "reconciling"}),
     # The adapter kit drives an adapter through a real store, executor and webhook handler.
     "testing": frozenset({"base", "observing", "storage", "execution", "reconciling", "over"}),
     # A provider's emulator (payorch.providers.<name>.emulator): its adapter, for the kit.
@@ -74,6 +76,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "over",
             "outbox",
             "once",
+            "recon",
         }
     ),
 }
@@ -232,7 +235,7 @@ def layer(name: str) -> str:
         return "root"
     if parts[1] == "providers" and parts[-1] == "emulator":
         return "emulators"
-    if parts[1] in ("cli", "providers", "migrations", "testing", "outbox", "once"):
+    if parts[1] in ("cli", "providers", "migrations", "testing", "outbox", "once", "recon"):
         return parts[1]
     if parts[1] in WINGS:
         return parts[1]

@@ -25,7 +25,7 @@ from payorch.execution._executor import Executor
 from payorch.outcome import Outcome
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.providers.sandbox._faults import Fault
-from payorch.recon import RowClass, adopt_orphan, build_report, import_report
+from payorch.recon import ReconPolicy, RowClass, adopt_orphan, build_report, import_report
 from payorch.reconciling._findings import Verdict
 from payorch.storage._store import Store
 from payorch.storage._tables import operations
@@ -191,3 +191,60 @@ def test_the_refund_row_matches_the_refund_not_the_payment(
     assert matched == {paid.operation_id, refund.operation_id}
     assert result.counts == {"matched": 2, "other": 1}
     assert PAYMENT["amount"] == store.get(TENANT, paid.operation_id).amount
+
+
+def test_an_operation_missing_past_the_lag_is_flagged_and_counted(
+    store: Store, executor: Executor, sandbox: SandboxServer
+) -> None:
+    shown = pay(executor, "order-a")
+    missing = pay(executor, "order-b")
+    only = [shown.provider_reference or ""]
+    report = sandbox.settlement_report(effects=only)
+
+    within = import_report(store, report, provider="sandbox")
+    assert [i.operation.id for i in within.expected.items] == [missing.operation_id]
+    assert not within.expected.items[0].overdue
+    assert not store.get(TENANT, missing.operation_id).needs_attention
+
+    past = import_report(
+        store, report, provider="sandbox", policy=ReconPolicy(settlement_lag=timedelta(0))
+    )
+    assert past.expected.overdue == 1
+    flagged = store.get(TENANT, missing.operation_id)
+    assert flagged.needs_attention and flagged.state is State.SUCCEEDED
+    assert store.events(TENANT, flagged.id)[-1].kind == "settlement_overdue"
+    gauges = store.read_gauges()["recon"]
+    assert gauges["duplicates"] == {}
+    (owed,) = gauges["providers"]
+    assert (owed["provider"], owed["expected"], owed["overdue"]) == ("sandbox", 1, 1)
+    assert owed["oldest_expected_age"] >= 0
+
+
+def test_the_metrics_count_rows_by_class_and_show_duplicates_and_the_expected(
+    store: Store, executor: Executor, sandbox: SandboxServer
+) -> None:
+    from payorch import metrics as public
+    from payorch.observing import _metrics
+
+    def sample(name: str, **labels: str) -> float:
+        return public.registry.get_sample_value(name, labels) or 0.0
+
+    before = sample("payorch_recon_rows_total", **{"class": "duplicate"})
+    first = pay(executor, "order-9")
+    lose(store, first.operation_id)
+    sandbox.advance(timedelta(hours=25))
+    pay(executor, "order-9")  # the same key past the window: a second charge
+    late = pay(executor, "order-10")
+    shown = [e["id"] for e in sandbox.ledger() if e["id"] != late.provider_reference]
+    import_report(store, sandbox.settlement_report(effects=shown), provider="sandbox")
+
+    assert sample("payorch_recon_rows_total", **{"class": "duplicate"}) == before + 1
+    try:
+        assert public.watch(store) is not None
+        assert sample("payorch_recon_duplicates", provider="sandbox") == 1
+        assert sample("payorch_recon_expected_operations", provider="sandbox") == 1
+        assert sample("payorch_recon_overdue_operations", provider="sandbox") == 0
+    finally:
+        for gauges in list(_metrics._watched):
+            public.registry.unregister(gauges)
+        _metrics._watched.clear()

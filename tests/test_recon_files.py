@@ -16,7 +16,8 @@ from cli_helpers import claim, to_unknown
 
 from payorch.core import State
 from payorch.errors import SettlementAccountMismatch, SettlementReportInvalid
-from payorch.recon import RowClass, build_report, import_report, parse_report
+from payorch.provider.settlement import parse_report
+from payorch.recon import RowClass, build_report, import_report
 from payorch.records import OperationRecord
 from payorch.storage._store import Store
 from payorch.storage._tables import events, operations, recon_files, recon_rows
@@ -47,7 +48,7 @@ def settled(ref: str, merchant_ref: str, amount: str, net: str, *, batch: str = 
     return adyen_row(**{
         "Psp Reference": ref, "Merchant Reference": merchant_ref, "Payment Method": "visa",
         "Creation Date": "2026-11-30 10:15:00", "Type": "Settled",
-        "Modification Reference": ref[:-1] + "M", "Gross Currency": "EUR",
+        "Modification Reference": ref.replace("PSP", "MOD"), "Gross Currency": "EUR",
         "Gross Credit (GC)": amount, "Exchange Rate": "1", "Net Currency": "EUR",
         "Net Credit (NC)": net, "Commission (NC)": "0.12", "Batch Number": batch,
     })  # fmt: skip
@@ -152,7 +153,8 @@ def test_an_adyen_batch_judges_every_row_and_checks_its_total(store: Store) -> N
     assert (batch.batch, batch.net, batch.paid, batch.status) == ("7", 4500, 4500, "balanced")
     report = build_report(store, provider="adyen")
     orphan = next(r for r in report.listed if r.klass == RowClass.ORPHAN)
-    assert orphan.reference == "PSP0000000000005" and orphan.refusal is not None  # no tags
+    assert orphan.payment_reference == "PSP0000000000005"
+    assert orphan.refusal is not None  # an Adyen report carries no tags
     assert {r.klass for r in report.listed} == {"orphan", "contradiction", "mismatch"}
 
 

@@ -10,12 +10,14 @@ from before reconciling began is not.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from datetime import datetime
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from ..errors import StaleVersion
 from ..records import OperationRecord
 from ..storage._engine import read_in_transaction
 from ..storage._store import Store
@@ -49,8 +51,11 @@ class ExpectedCheck:
         return sum(1 for item in self.items if item.overdue)
 
 
-def check_expected(store: Store, provider: str, policy: ReconPolicy) -> ExpectedCheck:
-    """Count the provider's expected operations now, and keep the count for the metrics."""
+def check_expected(
+    store: Store, provider: str, policy: ReconPolicy, *, flag: bool = False, actor: str = ""
+) -> ExpectedCheck:
+    """Count the provider's expected operations now, and keep the count for the metrics;
+    with ``flag`` (an import does), flag each overdue one for attention, once."""
     now = store.db_time()
     since = ledger.first_booked(store, provider)
     if since is None:
@@ -82,6 +87,10 @@ def check_expected(store: Store, provider: str, policy: ReconPolicy) -> Expected
         for op in succeeded
         if op.provider_reference not in seen
     )
+    if flag:
+        for item in items:
+            if item.overdue and not item.operation.needs_attention:
+                _flag_overdue(store, item.operation, policy, since, actor)
     oldest = min(
         (i.operation.completed_at for i in items if i.operation.completed_at), default=None
     )
@@ -97,3 +106,16 @@ def check_expected(store: Store, provider: str, policy: ReconPolicy) -> Expected
         },
     )
     return ExpectedCheck(provider, since, now, items, truncated)
+
+
+def _flag_overdue(
+    store: Store, record: OperationRecord, policy: ReconPolicy, since: datetime, actor: str
+) -> None:
+    detail = {
+        "decision": "succeeded, and in no settlement report past the settlement lag: flagged",
+        "settlement_lag_seconds": int(policy.settlement_lag.total_seconds()),
+        "reports_since": since.isoformat(),
+        "provider_reference": record.provider_reference,
+    }
+    with contextlib.suppress(StaleVersion):  # written since it was read: the next import looks
+        store.flag_attention(record, kind="settlement_overdue", actor=actor, detail=detail)

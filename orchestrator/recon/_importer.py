@@ -12,28 +12,22 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InvalidRequest, SettlementAccountMismatch, SettlementReportInvalid
 from ..observing import _recon_metrics as recon_metrics
+from ..provider.settlement._formats import FORMATS
+from ..provider.settlement._rows import ParsedReport
+from ..provider.settlement._table import read_table
 from ..storage._store import Store
 from . import _ledger as ledger
-from ._adyen import parse_adyen
 from ._expected import ExpectedCheck, check_expected
 from ._judge import ReconPolicy, Verdict, judge_pending
 from ._report import BatchCheck, check_batches
-from ._rows import ParsedReport
-from ._stripe import parse_stripe
-from ._table import Table, read_table
 
-__all__ = ["FORMATS", "ImportResult", "import_report", "parse_report", "report_format"]
+__all__ = ["ImportResult", "import_report", "report_format"]
 
-FORMATS: Mapping[str, Callable[[Table], ParsedReport]] = {
-    "stripe": parse_stripe,
-    "adyen": parse_adyen,
-}
 # The providers whose reports are in a format of another name: the sandbox writes Stripe's.
 _FORMAT_OF = {"stripe": "stripe", "adyen": "adyen", "sandbox": "stripe"}
 DEFAULT_ACTOR = "payorch-recon"
@@ -75,11 +69,6 @@ def report_format(provider: str, format: str | None = None) -> str:
             f"unknown report format {chosen!r}: one of {', '.join(sorted(FORMATS))}"
         )
     return chosen
-
-
-def parse_report(data: bytes, name: str, format: str) -> ParsedReport:
-    """``data``, a whole report file, parsed (nothing stored)."""
-    return FORMATS[report_format("", format)](read_table(data, name))
 
 
 def _read(source: str | os.PathLike[str] | bytes, name: str | None) -> tuple[bytes, str]:
@@ -135,5 +124,5 @@ def import_report(
         new_rows=len(stored.new_keys),
         verdicts=verdicts,
         batches=tuple(check_batches(store, provider, into, touched)),
-        expected=check_expected(store, provider, policy),
+        expected=check_expected(store, provider, policy, flag=True, actor=actor),
     )

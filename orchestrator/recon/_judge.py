@@ -25,10 +25,10 @@ from ..errors import CorruptRecord, OperationNotFound, StaleVersion
 from ..observing import _logs as logs
 from ..outcome import settled
 from ..provider import TAG_KEY, TAG_OPERATION, TAG_REF, TAG_TENANT, Answer, AnswerKind
+from ..provider.settlement._rows import Entry
 from ..records import OperationRecord
 from ..storage._store import Store
 from . import _ledger as ledger
-from ._rows import Entry
 
 __all__ = ["RESOLUTION", "ReconPolicy", "RowClass", "Verdict", "judge_pending"]
 
@@ -63,7 +63,8 @@ class ReconPolicy:
 
     ``operations``: per kind of row, the operation types whose effect it can be, preferred
     first (a capture's ``pi_…`` is held by its ``payment.capture`` and by the
-    ``payment.create`` it captured). ``expected``: the operation types a report must show
+    ``payment.create`` it captured); ``payments``: those that hold the payment's reference,
+    not a capture's own. ``expected``: the operation types a report must show
     once they succeed; ``settlement_lag``: how long after succeeding one may be missing from
     every report before it is flagged."""
 
@@ -73,6 +74,9 @@ class ReconPolicy:
             Entry.REFUND: ("refund.create",),
         }
     )
+    # The operation types that hold their payment's reference (a capture row names its
+    # payment and, where it has one, the capture's own; a payment.capture holds the latter).
+    payments: Sequence[str] = ("payment.create",)
     expected: Sequence[str] = ("payment.create", "payment.capture", "refund.create")
     settlement_lag: timedelta = timedelta(days=3)
 
@@ -175,6 +179,13 @@ def _same_effect(record: OperationRecord, row: Mapping[str, Any]) -> bool:
     if Entry(row["entry"]) is Entry.CAPTURE:
         refs.add(row["payment_reference"])
     return record.provider_reference is None or record.provider_reference in refs
+
+
+def _reference_for(record: OperationRecord, row: Mapping[str, Any], policy: ReconPolicy) -> str:
+    """The reference an operation settled by ``row`` takes: a payment's for a payment."""
+    if Entry(row["entry"]) is Entry.CAPTURE and record.operation in policy.payments:
+        return str(row["payment_reference"] or row["reference"])
+    return str(row["reference"] or row["payment_reference"])
 
 
 def _mismatch(record: OperationRecord, row: Mapping[str, Any]) -> str | None:
@@ -289,7 +300,7 @@ class Judge:
         self, row: Mapping[str, Any], record: OperationRecord, detail: dict[str, Any],
         evidence: dict[str, Any], *, flag: bool,
     ) -> Verdict:  # fmt: skip
-        ref = record.provider_reference or row["reference"]
+        ref = record.provider_reference or _reference_for(record, row, self.policy)
         decision = settled(Answer(kind=AnswerKind.SUCCEEDED, provider_reference=ref))
         assert decision is not None
         evidence["decision"] = "a settled effect: the operation succeeded"

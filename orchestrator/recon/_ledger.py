@@ -11,11 +11,11 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from ..provider.settlement._rows import ParsedReport, SettlementRow
 from ..records import OperationRecord
 from ..storage._engine import read_in_transaction, run_in_transaction
 from ..storage._store import Store
 from ..storage._tables import db_now, operations, recon_files, recon_providers, recon_rows
-from ._rows import ParsedReport, SettlementRow
 
 __all__ = ["Stored", "by_downstream_keys", "by_references", "pending", "store_report"]
 

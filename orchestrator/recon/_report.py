@@ -124,6 +124,7 @@ class ListedRow:
     batch: str | None
     category: str
     reference: str | None
+    payment_reference: str | None
     amount: int | None
     currency: str | None
     booked_at: datetime
@@ -144,6 +145,7 @@ class ListedRow:
             "batch": self.batch,
             "category": self.category,
             "reference": self.reference,
+            "payment_reference": self.payment_reference,
             "amount": self.amount,
             "currency": self.currency,
             "booked_at": self.booked_at.isoformat(),
@@ -303,6 +305,7 @@ def build_report(
             batch=m["batch"],
             category=m["category"],
             reference=m["reference"],
+            payment_reference=m["payment_reference"],
             amount=m["amount"],
             currency=m["currency"],
             booked_at=m["booked_at"],

@@ -6,7 +6,8 @@ refunds and cancels, the standalone ``/cancels``): ``X-API-Key`` required, a led
 per ``Idempotency-Key`` (a repeat answers the first answer; another body under the key is a
 422/704; a duplicate in flight a 409/704 with ``Transient-Error: true``), no status read, faults
 on demand, and the notification items it would send, signed (:meth:`~AdyenEmulator.sign`,
-:meth:`~AdyenEmulator.delivery`) or POSTed in batches until answered ``[accepted]``.
+:meth:`~AdyenEmulator.delivery`) or POSTed in batches until answered ``[accepted]``; its
+money movements as Adyen's Settlement details report (:meth:`~AdyenEmulator.settlement_report`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import socket
 import string
 import threading
 from collections import deque
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeGuard
@@ -69,6 +70,8 @@ class _Effect:
     payment: str | None = None  # a modification's payment pspReference
     captured: int = 0
     refunded: int = 0
+    # When it was made: a settlement row's Creation Date.
+    created: datetime = dataclasses.field(default_factory=lambda: datetime.now(UTC))
 
 
 class Gate:
@@ -311,6 +314,31 @@ class AdyenEmulator:
             psp = self._psp()
             self._effects.append(_Effect("payment", psp, ref, ref, money, status, captured=done))
         return psp
+
+    def settlement_report(
+        self,
+        *,
+        batch: str | int = 1,
+        fee: Callable[[int], int] | None = None,
+        effects: Collection[str] | None = None,
+    ) -> bytes:
+        """The ledger's money movements as Adyen's Settlement details report of batch number
+        ``batch`` (what ``payorch.recon`` imports): a capture's row named by its payment's
+        pspReference (and a separate capture's own), a refund's by its own. ``fee``: per
+        captured amount; ``effects``: only the rows of these pspReferences."""
+        from ._emulator_report import settlement_report  # the report formats: only when asked
+
+        with self._lock:
+            ledger = [dataclasses.replace(e) for e in self._effects]
+            items = [dict(i) for i in self._items]
+        return settlement_report(
+            ledger,
+            items,
+            merchant_account=self.merchant_account,
+            batch=batch,
+            fee=fee,
+            only=effects,
+        )
 
     def payments(self) -> list[dict[str, Any]]:
         """The payments in the ledger (psp, key, reference, amount, status, ...)."""

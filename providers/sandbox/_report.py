@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from ...recon import Entry, ReportEntry, write_adyen_settlement, write_stripe_itemized
+from ...provider.settlement import Entry, ReportEntry, write_adyen_settlement, write_stripe_itemized
 
 __all__ = ["MERCHANT_ACCOUNT", "settlement_report"]
 

@@ -283,7 +283,7 @@ class SandboxServer:
         """The ledger's money movements as one batch of a settlement report, in Stripe's
         itemized format or Adyen's Settlement details format (``fee``: per captured amount;
         ``effects``: only these ids), for ``payorch recon import --provider sandbox``."""
-        from ._report import settlement_report  # payorch.recon: only when asked
+        from ._report import settlement_report  # the report formats: only when asked
 
         return settlement_report(
             self.ledger(), format=format, batch=batch, fee=fee, effects=effects

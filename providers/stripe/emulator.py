@@ -14,6 +14,9 @@ an error before commit the key runs afresh, after a commit the effect's answer i
 adapters pointed at it or at a closed port, and deliveries signed as Stripe signs them
 (``Stripe-Signature: t=<unix>,v1=<HMAC-SHA256 of "{t}.{body}" with the whsec_ secret>``).
 
+Its ledger's money movements, written as Stripe's itemized settlement report
+(:meth:`StripeEmulator.settlement_report`), are what ``payorch.recon`` imports.
+
 Payment methods: ``pm_card_visa`` pays (or is authorised, with manual capture),
 ``pm_card_chargeDeclined`` and ``pm_card_chargeDeclinedInsufficientFunds`` decline (402).
 """
@@ -27,20 +30,19 @@ import json
 import re
 import secrets
 import socket
-import socketserver
 import threading
 import time
 from collections import deque
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, cast
+from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 import httpx
 
 from ...testing import Delivery, Fault
 from ._adapter import StripeProvider
+from ._emulator_http import API_ERROR, Reply, Server, new_id, reply_error
 
 __all__ = ["API_KEY", "WEBHOOK_SECRET", "Gate", "StripeEmulator"]
 
@@ -68,39 +70,19 @@ _EVENTS = {
 }
 
 
-def _ident(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
+def _invalid(message: str, **fields: Any) -> Reply:
+    return reply_error(400, "invalid_request_error", message, **fields)
 
 
-def _error(status: int, etype: str, message: str, *, save: bool = True, **fields: Any) -> _Reply:
-    return _Reply(status, {"error": {"type": etype, "message": message, **fields}}, save=save)
-
-
-def _invalid(message: str, **fields: Any) -> _Reply:
-    return _error(400, "invalid_request_error", message, **fields)
-
-
-def _in_use() -> _Reply:
+def _in_use() -> Reply:
     message = "There is currently another in-progress request using this Idempotent Key."
-    reply = _error(409, "idempotency_error", message, code="idempotency_key_in_use")
+    reply = reply_error(409, "idempotency_error", message, code="idempotency_key_in_use")
     reply.headers["Stripe-Should-Retry"] = "true"
     return reply
 
 
-_API_ERROR = (500, "api_error", "Something went wrong on Stripe's end.")
-
-
 def _metadata(form: Mapping[str, str]) -> dict[str, str]:
     return {k[9:-1]: v for k, v in form.items() if k.startswith("metadata[") and k[-1] == "]"}
-
-
-@dataclass
-class _Reply:
-    status: int
-    body: dict[str, Any]
-    headers: dict[str, str] = field(default_factory=dict)
-    save: bool = True  # kept under the Idempotency-Key (False: refused before executing)
-    drop: bool = False  # close the connection without answering
 
 
 @dataclass
@@ -128,7 +110,7 @@ class _Stripe:
         self.refunds: dict[str, dict[str, Any]] = {}
         self.created_by: dict[str, list[str]] = {}  # key -> intents its create made
         self.moved: dict[str, set[str]] = {}  # key -> objects its call authorised/moved
-        self.saved: dict[str, tuple[_Request, _Reply]] = {}
+        self.saved: dict[str, tuple[_Request, Reply]] = {}
         self.in_flight: set[str] = set()
         self.faults: deque[Fault] = deque()
         self.gate: Gate | None = None
@@ -136,7 +118,7 @@ class _Stripe:
 
     # -- dispatch ---------------------------------------------------------------------------
 
-    def handle(self, method: str, target: str, headers: Mapping[str, str], body: bytes) -> _Reply:
+    def handle(self, method: str, target: str, headers: Mapping[str, str], body: bytes) -> Reply:
         url = urlsplit(target)
         fields = parse_qsl(url.query if method == "GET" else body.decode(), keep_blank_values=True)
         key = headers.get("idempotency-key") if method == "POST" else None
@@ -144,7 +126,7 @@ class _Stripe:
         with self.lock:
             self.log.append(dict(method=method, path=url.path, idempotency_key=key, fields=fields))
             if headers.get("authorization") != f"Bearer {self.api_key}":
-                return _error(401, "invalid_request_error", "Invalid API Key provided.")
+                return reply_error(401, "invalid_request_error", "Invalid API Key provided.")
             fault = self.faults.popleft() if method == "POST" and self.faults else None
             refused = self._refusal(fault)
             if refused is not None:
@@ -170,26 +152,28 @@ class _Stripe:
         return self._after(fault, reply)
 
     @staticmethod
-    def _refusal(fault: Fault | None) -> _Reply | None:
+    def _refusal(fault: Fault | None) -> Reply | None:
         if fault is Fault.RATE_LIMITED:
-            return _error(429, "rate_limit_error", "Too many requests hit the API too quickly.")
+            return reply_error(
+                429, "rate_limit_error", "Too many requests hit the API too quickly."
+            )
         if fault is Fault.IN_FLIGHT:
             return _in_use()
-        return _error(*_API_ERROR) if fault is Fault.ERROR_BEFORE_COMMIT else None
+        return reply_error(*API_ERROR) if fault is Fault.ERROR_BEFORE_COMMIT else None
 
     @staticmethod
-    def _after(fault: Fault | None, reply: _Reply) -> _Reply:
+    def _after(fault: Fault | None, reply: Reply) -> Reply:
         if fault is Fault.ERROR_AFTER_COMMIT:
-            return _error(*_API_ERROR)
-        return _Reply(500, {}, drop=True) if fault is Fault.DROP_AFTER_COMMIT else reply
+            return reply_error(*API_ERROR)
+        return Reply(500, {}, drop=True) if fault is Fault.DROP_AFTER_COMMIT else reply
 
-    def _claim(self, key: str, request: _Request) -> _Reply | None:
+    def _claim(self, key: str, request: _Request) -> Reply | None:
         """A reply owed under ``key`` already (a replay or a refusal), or None: run it."""
         if key in self.saved:
             first, reply = self.saved[key]
             if first == request:
-                return _Reply(reply.status, reply.body, {"Idempotent-Replayed": "true"})
-            return _error(
+                return Reply(reply.status, reply.body, {"Idempotent-Replayed": "true"})
+            return reply_error(
                 400,
                 "idempotency_error",
                 "Keys for idempotent requests can only be used with the same parameters they "
@@ -201,7 +185,7 @@ class _Stripe:
         self.in_flight.add(key)
         return None
 
-    def _get(self, path: str, params: dict[str, str]) -> _Reply:
+    def _get(self, path: str, params: dict[str, str]) -> Reply:
         parts = path.strip("/").split("/")
         if path == "/v1/payment_intents/search":
             return self._search(params)
@@ -214,12 +198,12 @@ class _Stripe:
             return self._object(self.refunds, parts[2], "refund")
         return self._unknown("GET", path)
 
-    def _post(self, path: str, form: dict[str, str], key: str | None, *, decline: bool) -> _Reply:
+    def _post(self, path: str, form: dict[str, str], key: str | None, *, decline: bool) -> Reply:
         parts = path.strip("/").split("/")
         if path == "/v1/payment_intents":
             return self._create(form, key, decline=decline)
         if decline:
-            return _error(402, "card_error", "Your card was declined.", code="card_declined")
+            return reply_error(402, "card_error", "Your card was declined.", code="card_declined")
         if path == "/v1/refunds":
             return self._refund(form, key)
         if len(parts) == 4 and parts[1] == "payment_intents" and parts[3] == "cancel":
@@ -229,13 +213,13 @@ class _Stripe:
         return self._unknown("POST", path)
 
     @staticmethod
-    def _unknown(method: str, path: str) -> _Reply:
+    def _unknown(method: str, path: str) -> Reply:
         message = f"Unrecognized request URL ({method}: {path})."
-        return _error(404, "invalid_request_error", message, save=False)
+        return reply_error(404, "invalid_request_error", message, save=False)
 
     # -- payment intents --------------------------------------------------------------------
 
-    def _create(self, form: dict[str, str], key: str | None, *, decline: bool) -> _Reply:
+    def _create(self, form: dict[str, str], key: str | None, *, decline: bool) -> Reply:
         amount, currency = form.get("amount", ""), form.get("currency", "")
         if not amount.isdigit() or int(amount) < 1 or not re.fullmatch(r"[a-z]{3}", currency):
             wrong = "amount" if not amount.isdigit() or int(amount) < 1 else "currency"
@@ -249,23 +233,23 @@ class _Stripe:
             self.created_by.setdefault(key, []).append(pi["id"])
         if form.get("confirm") != "true" or method is None:
             pi["status"] = "requires_confirmation" if method else "requires_payment_method"
-            return _Reply(200, dict(pi))
+            return Reply(200, dict(pi))
         reason = "generic_decline" if decline else _DECLINING.get(method)
         if reason is not None:
             error = {"type": "card_error", "code": "card_declined", "decline_code": reason}
             pi["last_payment_error"] = error = error | {"message": "Your card was declined."}
-            pi["latest_charge"] = _ident("ch")
-            return _Reply(402, {"error": {**error, "payment_intent": dict(pi)}})
-        pi["latest_charge"] = _ident("ch")
+            pi["latest_charge"] = new_id("ch")
+            return Reply(402, {"error": {**error, "payment_intent": dict(pi)}})
+        pi["latest_charge"] = new_id("ch")
         if pi["capture_method"] == "manual":
             pi.update(status="requires_capture", amount_capturable=pi["amount"])
         else:
             pi.update(status="succeeded", amount_received=pi["amount"])
         self._moved(key, pi["id"])
-        return _Reply(200, dict(pi))
+        return Reply(200, dict(pi))
 
     def new_intent(self, **fields: Any) -> dict[str, Any]:
-        ident = _ident("pi")
+        ident = new_id("pi")
         pi: dict[str, Any] = dict.fromkeys(_NULL_INTENT_FIELDS) | {"id": ident}
         pi |= {"object": "payment_intent", "created": int(time.time()), "livemode": False}
         pi |= {"amount": 0, "amount_capturable": 0, "amount_received": 0, "currency": "usd"}
@@ -279,7 +263,7 @@ class _Stripe:
         if key is not None:
             self.moved.setdefault(key, set()).add(ident)
 
-    def _unexpected(self, pi: dict[str, Any], action: str, allowed: Collection[str]) -> _Reply:
+    def _unexpected(self, pi: dict[str, Any], action: str, allowed: Collection[str]) -> Reply:
         return _invalid(
             f"You cannot {action} this PaymentIntent because it has a status of "
             f"{pi['status']}. Only a PaymentIntent with one of the following statuses may be "
@@ -288,7 +272,7 @@ class _Stripe:
             payment_intent=dict(pi),
         )
 
-    def _cancel(self, ident: str, form: dict[str, str]) -> _Reply:
+    def _cancel(self, ident: str, form: dict[str, str]) -> Reply:
         if (pi := self.intents.get(ident)) is None:
             return self._missing("payment_intent", ident)
         reason = form.get("cancellation_reason")
@@ -298,9 +282,9 @@ class _Stripe:
             return self._unexpected(pi, "cancel", _CANCELABLE)
         pi.update(status="canceled", canceled_at=int(time.time()), amount_capturable=0)
         pi["cancellation_reason"] = reason
-        return _Reply(200, dict(pi))
+        return Reply(200, dict(pi))
 
-    def _capture(self, ident: str, form: dict[str, str], key: str | None) -> _Reply:
+    def _capture(self, ident: str, form: dict[str, str], key: str | None) -> Reply:
         if (pi := self.intents.get(ident)) is None:
             return self._missing("payment_intent", ident)
         if pi["status"] != "requires_capture":
@@ -310,11 +294,11 @@ class _Stripe:
             return _invalid("Amount too large.", code="amount_too_large")
         pi.update(status="succeeded", amount_received=amount, amount_capturable=0)
         self._moved(key, ident)
-        return _Reply(200, dict(pi))
+        return Reply(200, dict(pi))
 
     # -- refunds ----------------------------------------------------------------------------
 
-    def _refund(self, form: dict[str, str], key: str | None) -> _Reply:
+    def _refund(self, form: dict[str, str], key: str | None) -> Reply:
         if (pi := self.intents.get(form.get("payment_intent", ""))) is None:
             return self._missing("payment_intent", form.get("payment_intent", ""))
         if pi["status"] != "succeeded":
@@ -326,7 +310,7 @@ class _Stripe:
             return _invalid("Refunded already.", code="charge_already_refunded")
         if amount > left:
             return _invalid("Amount too large.", code="amount_too_large")
-        refund: dict[str, Any] = {"id": _ident("re"), "object": "refund", "amount": amount}
+        refund: dict[str, Any] = {"id": new_id("re"), "object": "refund", "amount": amount}
         refund["status"] = "succeeded"
         refund |= {
             "charge": pi["latest_charge"],
@@ -337,33 +321,33 @@ class _Stripe:
         refund |= {"metadata": _metadata(form), "reason": form.get("reason")}
         self.refunds[refund["id"]] = refund
         self._moved(key, refund["id"])
-        return _Reply(200, dict(refund))
+        return Reply(200, dict(refund))
 
     # -- reads ------------------------------------------------------------------------------
 
     @staticmethod
-    def _missing(kind: str, ident: str) -> _Reply:
+    def _missing(kind: str, ident: str) -> Reply:
         message = f"No such {kind}: '{ident}'"
-        return _error(404, "invalid_request_error", message, code="resource_missing")
+        return reply_error(404, "invalid_request_error", message, code="resource_missing")
 
-    def _object(self, store: dict[str, dict[str, Any]], ident: str, kind: str) -> _Reply:
+    def _object(self, store: dict[str, dict[str, Any]], ident: str, kind: str) -> Reply:
         obj = store.get(ident)
-        return _Reply(200, dict(obj)) if obj is not None else self._missing(kind, ident)
+        return Reply(200, dict(obj)) if obj is not None else self._missing(kind, ident)
 
-    def _search(self, params: dict[str, str]) -> _Reply:
+    def _search(self, params: dict[str, str]) -> Reply:
         match = _SEARCH.fullmatch(params.get("query", "").strip())
         if match is None:
             return _invalid("Invalid search query.")
         name, value = (re.sub(r"\\(.)", r"\1", part) for part in match.groups())
         found = [pi for pi in self._newest(self.intents) if pi["metadata"].get(name) == value]
         page = self._page("/v1/payment_intents/search", found, params)
-        return _Reply(200, page.body | {"object": "search_result", "next_page": None})
+        return Reply(200, page.body | {"object": "search_result", "next_page": None})
 
     @staticmethod
     def _newest(store: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         return sorted(reversed(store.values()), key=lambda o: -int(o["created"]))
 
-    def _list(self, path: str, store: dict[str, dict[str, Any]], params: dict[str, str]) -> _Reply:
+    def _list(self, path: str, store: dict[str, dict[str, Any]], params: dict[str, str]) -> Reply:
         items = self._newest(store)
         bounds = {"gte": int.__ge__, "lte": int.__le__, "gt": int.__gt__, "lt": int.__lt__}
         for name, test in bounds.items():
@@ -379,63 +363,12 @@ class _Stripe:
         return self._page(path, items, params)
 
     @staticmethod
-    def _page(path: str, items: list[dict[str, Any]], params: Mapping[str, str]) -> _Reply:
+    def _page(path: str, items: list[dict[str, Any]], params: Mapping[str, str]) -> Reply:
         limit = min(100, int(params.get("limit", "10")))
         data = [dict(o) for o in items[:limit]]
-        return _Reply(
+        return Reply(
             200, {"object": "list", "url": path, "has_more": len(items) > limit, "data": data}
         )
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, stripe: _Stripe) -> None:
-        self.stripe = stripe
-        super().__init__(("127.0.0.1", 0), _Handler)
-
-    def server_bind(self) -> None:
-        # HTTPServer.server_bind resolves the host's name, which loopback does not need.
-        socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = "127.0.0.1", int(self.server_address[1])
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    timeout = 30  # an idle keep-alive connection holds its (daemon) thread no longer
-
-    def setup(self) -> None:
-        super().setup()
-        # Headers and body go out in two writes: without this, Nagle and a delayed ACK
-        # stall each answer by ~40 ms.
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # quiet: the tests assert on the ledger, not on a log
-
-    def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length) if length else b""
-        headers = {k.lower(): v for k, v in self.headers.items()}
-        try:
-            reply = cast(_Server, self.server).stripe.handle(self.command, self.path, headers, body)
-        except Exception:  # noqa: BLE001 - a request it cannot read: answer as Stripe would
-            reply = _error(*_API_ERROR)
-        if reply.drop:
-            self.close_connection = True  # the effect is made; the client hears nothing
-            return
-        data = json.dumps(reply.body).encode()
-        try:
-            self.send_response(reply.status)
-            sent = {"Content-Type": "application/json", "Content-Length": str(len(data))}
-            for name, value in (sent | {"Request-Id": _ident("req")} | reply.headers).items():
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(data)
-        except OSError:
-            self.close_connection = True
-
-    do_GET = do_POST
 
 
 class StripeEmulator:
@@ -447,7 +380,7 @@ class StripeEmulator:
         self.api_key = api_key
         self.webhook_secret = webhook_secret
         self._stripe = _Stripe(api_key)
-        self._server = _Server(self._stripe)
+        self._server = Server(self._stripe)
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
         )
@@ -543,11 +476,11 @@ class StripeEmulator:
         if event_type is None:
             raise ValueError(f"no event reports an intent in status {pi['status']!r}")
         stamp = str(int(time.time()))
-        event: dict[str, Any] = {"id": _ident("evt"), "object": "event", "type": event_type}
+        event: dict[str, Any] = {"id": new_id("evt"), "object": "event", "type": event_type}
         event["created"] = int(stamp)
         event |= {"api_version": "2024-06-20", "livemode": False, "pending_webhooks": 1}
         event |= {"data": {"object": pi}}
-        event |= {"request": {"id": _ident("req"), "idempotency_key": key}}
+        event |= {"request": {"id": new_id("req"), "idempotency_key": key}}
         body = json.dumps(event, indent=2).encode()
         signed = stamp.encode() + b"." + body
         signature = hmac.new(self.webhook_secret.encode(), signed, hashlib.sha256).hexdigest()
@@ -568,11 +501,29 @@ class StripeEmulator:
         """An intent made here directly (no request, no key), e.g. to capture or refund."""
         with self._stripe.lock:
             held, paid = status == "requires_capture", status == "succeeded"
-            pi: dict[str, Any] = {"status": status, "amount": 2000, "latest_charge": _ident("ch")}
+            pi: dict[str, Any] = {"status": status, "amount": 2000, "latest_charge": new_id("ch")}
             pi |= fields
             pi["capture_method"] = "manual" if held else "automatic"
             pi |= {"amount_capturable": pi["amount"] * held, "amount_received": pi["amount"] * paid}
             return dict(self._stripe.new_intent(**pi))
+
+    def settlement_report(
+        self,
+        *,
+        batch: str | int = "po_emulator_1",
+        fee: Callable[[int], int] | None = None,
+        effects: Collection[str] | None = None,
+    ) -> bytes:
+        """The ledger's money movements as Stripe's itemized report of one payout ``batch``
+        (a number ``n`` is ``po_emulator_<n>``), rows named by the ids payorch stores (``pi_…``,
+        ``re_…``): what ``payorch.recon`` imports. ``fee``: per captured amount; ``effects``:
+        only these ids."""
+        from ._emulator_report import settlement_report  # the report formats: only when asked
+
+        with self._stripe.lock:
+            intents = [dict(pi) for pi in self._stripe.intents.values()]
+            refunds = [dict(r) for r in self._stripe.refunds.values()]
+        return settlement_report(intents, refunds, batch=batch, fee=fee, effects=effects)
 
     def requests(self) -> list[dict[str, Any]]:
         """The requests received, oldest first: method, path, idempotency_key, fields."""

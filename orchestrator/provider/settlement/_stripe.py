@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from datetime import UTC
 
-from ..errors import SettlementReportInvalid
+from ...errors import SettlementReportInvalid
 from ._rows import Entry, ParsedReport, SettlementRow
 from ._table import Cells, Table
 

@@ -20,7 +20,7 @@ from decimal import Decimal, InvalidOperation
 
 from iso4217 import Currency
 
-from ..errors import SettlementReportInvalid
+from ...errors import SettlementReportInvalid
 
 __all__ = ["Cells", "Table", "read_table"]
 

@@ -19,7 +19,7 @@ from datetime import timezone
 
 from iso4217 import Currency
 
-from ..errors import SettlementReportInvalid
+from ...errors import SettlementReportInvalid
 from ._rows import Entry, ParsedReport, SettlementRow
 from ._table import Cells, Table, fixed_zone
 
@@ -109,6 +109,10 @@ def _row(cells: Cells, occurrence: Counter[str]) -> SettlementRow:
         reference, merchant = modification, cells.text("Modification Merchant Reference")
     elif entry is Entry.PAYOUT or entry is Entry.OTHER:
         reference, merchant = psp or modification, cells.text("Merchant Reference")
+    elif entry is Entry.CAPTURE:
+        # The capture's own pspReference (a separate capture's, which payment.capture
+        # holds); the payment's is the row's payment reference, matched as well.
+        reference, merchant = modification or psp, cells.text("Merchant Reference")
     else:
         reference, merchant = psp, cells.text("Merchant Reference")
     return SettlementRow(

@@ -39,6 +39,9 @@ class ReportEntry:
     payment_reference: str | None = None  # a refund's payment (a capture: its reference)
     merchant_reference: str | None = None  # what the merchant sent as its reference
     payment_merchant_reference: str | None = None  # a refund's payment's merchant reference
+    # A capture's own reference where it has one apart from its payment's (Adyen's
+    # modification pspReference of a separate capture).
+    capture_reference: str | None = None
     fee: int = 0
     tags: Mapping[str, str] = field(default_factory=dict)  # payorch_* metadata
     batch: str | None = None  # its payout's id (Stripe) / batch number (Adyen)
@@ -175,7 +178,7 @@ def write_adyen_settlement(
                 e.created_at.astimezone(UTC).strftime(_TIME),
                 "UTC",
                 "Refunded" if refund else "Settled",
-                e.reference if refund else _id("", e.reference, "capture")[:16].upper(),
+                e.reference if refund else e.capture_reference or _id("", e.reference)[:16].upper(),
                 currency,
                 amount if refund else "",
                 "" if refund else amount,

@@ -84,6 +84,7 @@ def upgrade() -> None:
         sa.Column("expected", sa.Integer, nullable=False),
         sa.Column("overdue", sa.Integer, nullable=False),
         _ts("oldest_expected_at"),
+        sa.Column("counts", sa.JSON, nullable=False),
         _ts("checked_at", nullable=False),
         sa.PrimaryKeyConstraint("provider", name="pk_payorch_recon_providers"),
     )

@@ -10,9 +10,20 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-__all__ = ["outbox_gauges", "recon_gauges", "replication_gauges"]
+__all__ = ["CLASSES", "outbox_gauges", "recon_gauges", "replication_gauges"]
+
+# The classes of a settlement row (payorch.recon.RowClass): every one is reported, 0 or not.
+CLASSES = (
+    "matched",
+    "mismatch",
+    "settles_unknown",
+    "contradiction",
+    "duplicate",
+    "orphan",
+    "other",
+)
 
 
 def outbox_gauges(box: Mapping[str, Any], effects_attention: int) -> Iterator[Any]:
@@ -68,15 +79,25 @@ def replication_gauges(status: Mapping[str, Any]) -> Iterator[Any]:
 
 
 def recon_gauges(recon: Mapping[str, Any]) -> Iterator[Any]:
-    """Settlement reports (payorch.recon): duplicate effects found, and per provider the
-    operations no report has shown yet, those past the settlement lag, the oldest's age."""
+    """Settlement reports (payorch.recon), per provider as its last import or report counted:
+    rows by class (duplicates among them), the operations no report has shown yet, those past
+    the settlement lag, and the oldest one's age."""
+    rows = CounterMetricFamily(
+        "payorch_recon_rows",
+        "Settlement report rows judged, by class",
+        labels=["provider", "class"],
+    )
     duplicates = GaugeMetricFamily(
         "payorch_recon_duplicates",
         "Settlement rows that are a second effect for one namespace (flagged critical)",
         labels=["provider"],
     )
-    for provider, count in sorted(recon["duplicates"].items()):
-        duplicates.add_metric([provider], count)
+    for row in recon["providers"]:
+        counts = row["counts"]
+        for klass in CLASSES:
+            rows.add_metric([row["provider"], klass], counts.get(klass, 0))
+        duplicates.add_metric([row["provider"]], counts.get("duplicate", 0))
+    yield rows
     yield duplicates
     for name, text, key in (
         ("payorch_recon_expected_operations", "Succeeded operations no report showed yet",

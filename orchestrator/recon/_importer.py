@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InvalidRequest, SettlementAccountMismatch, SettlementReportInvalid
-from ..observing import _recon_metrics as recon_metrics
 from ..provider.settlement._formats import FORMATS
 from ..provider.settlement._rows import ParsedReport
 from ..provider.settlement._table import read_table
@@ -113,8 +112,6 @@ def import_report(
     into = account if account is not None else (report.account or "")
     stored = ledger.store_report(store, report, provider, into)
     verdicts = tuple(judge_pending(store, provider, into, policy, actor))
-    for verdict in verdicts:
-        recon_metrics.row_judged(verdict.klass.value)
     touched = sorted({row.batch for row in report.rows if row.batch is not None})
     return ImportResult(
         provider=provider,

@@ -236,12 +236,19 @@ def first_booked(store: Store, provider: str) -> datetime | None:
 
 
 def save_expected(store: Store, values: Mapping[str, Any]) -> None:
-    """Replace the provider's row of ``payorch_recon_providers``."""
-    p = recon_providers.c
+    """Replace the provider's row of ``payorch_recon_providers``, its rows per class counted
+    in the same transaction (by the class index: the provider's rows, not every row)."""
+    p, r = recon_providers.c, recon_rows.c
+    tally = (
+        sa.select(r["class"], sa.func.count())
+        .where(r.provider == values["provider"], r["class"].is_not(None))
+        .group_by(r["class"])
+    )
 
     def txn(conn: Connection) -> None:
+        counts = {str(k): int(n) for k, n in conn.execute(tally).all()}
         conn.execute(recon_providers.delete().where(p.provider == values["provider"]))
-        conn.execute(recon_providers.insert().values(**values, checked_at=db_now()))
+        conn.execute(recon_providers.insert().values(**values, counts=counts, checked_at=db_now()))
 
     run_in_transaction(store.engine, txn)
 

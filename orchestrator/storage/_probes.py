@@ -32,7 +32,6 @@ from ._tables import (
     operations,
     outbox,
     recon_providers,
-    recon_rows,
 )
 
 __all__ = [
@@ -90,13 +89,8 @@ def read_gauges(store: Probed) -> dict[str, Any]:
         sa.select(sa.func.count()).select_from(effects).where(sa.and_(effects.c.needs_attention))
     )
 
-    # Settlement reconciliation: duplicate rows (their class index), and what each provider's
-    # settlements still owe as the last import or report counted it (one row per provider).
-    duplicates = (
-        sa.select(recon_rows.c.provider, sa.func.count())
-        .where(recon_rows.c["class"] == sa.literal_column("'duplicate'"))
-        .group_by(recon_rows.c.provider)
-    )
+    # Settlement reconciliation, as the last import or report counted it: one row per
+    # provider (its rows per class, what its settlements still owe), never the rows.
     owed = sa.select(recon_providers)
 
     clock = sa.select(db_now())
@@ -131,10 +125,10 @@ def read_gauges(store: Probed) -> dict[str, Any]:
             },
             "effects_attention": int(conn.execute(effects_flagged).scalar_one()),
             "recon": {
-                "duplicates": {str(p): int(n) for p, n in conn.execute(duplicates).all()},
                 "providers": [
                     {
                         "provider": row["provider"],
+                        "counts": dict(row["counts"] or {}),
                         "expected": int(row["expected"]),
                         "overdue": int(row["overdue"]),
                         "oldest_expected_age": max(

@@ -480,8 +480,8 @@ recon_rows = sa.Table(
     sa.Index("ix_payorch_recon_rows_class", "provider", "class"),
 )
 
-# What each provider's settlements still owe: operations that succeeded and no report has
-# shown yet, as the last import or report counted them (the metrics read it).
+# Per provider, as the last import or report counted: its rows per class, and the operations
+# that succeeded and no report has shown yet (the metrics read this, never the rows).
 recon_providers = sa.Table(
     "payorch_recon_providers",
     metadata,
@@ -491,6 +491,8 @@ recon_providers = sa.Table(
     sa.Column("expected", sa.Integer, nullable=False),
     sa.Column("overdue", sa.Integer, nullable=False),
     sa.Column("oldest_expected_at", UTCDateTime()),
+    # Rows per class, of every file (a tally the metrics read, so a scrape counts nothing).
+    sa.Column("counts", StoredJSON(), nullable=False),
     sa.Column("checked_at", UTCDateTime(), nullable=False),
     sa.PrimaryKeyConstraint("provider", name="pk_payorch_recon_providers"),
 )

@@ -3,8 +3,9 @@
 Simulated clients retry, send concurrent duplicates and reuse a key with a changed amount,
 against a sandbox acquirer that drops responses after committing, fails with 5xx, resets
 connections, rate-limits, declines, lags and leaves payments pending. Then the reconciler
-and the webhooks settle everything, and the run checks the one invariant that matters:
-one explainable effect per operation, counted at the provider.
+and the webhooks settle everything, the sandbox's settlement report is imported as the
+provider's evidence, and the run checks the one invariant that matters: one explainable
+effect per operation, counted at the provider and in its settlement.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ..reconciling._webhooks import WebhookHandler
 from ..storage._schema import shown_url
 from ..storage._store import Store
 from ..storage._tables import operations
+from ._demo_recon import settle_books
 from ._demo_report import Tally, attention_reasons, report
 from ._progress import Update, bar
 from ._runtime import err
@@ -108,8 +110,15 @@ def _run(url: str, payments: int, seed: int, console: Console) -> bool:
         )
         with bar("settling", console=err()) as progress:
             webhook_results = _settle(store, provider, sandbox, seed, tenant, progress=progress)
+        books = settle_books(store, sandbox, tenant, console)
         ok = report(
-            store, sandbox, tenant=tenant, tally=tally, webhooks=webhook_results, console=console
+            store,
+            sandbox,
+            tenant=tenant,
+            tally=tally,
+            webhooks=webhook_results,
+            console=console,
+            extra=books,
         )
     store.close()
     console.print(f"finished in {time.monotonic() - started:.1f}s")

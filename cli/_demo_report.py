@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -105,6 +106,7 @@ def report(
     tally: Tally,
     webhooks: Counter[str],
     console: Console,
+    extra: Sequence[tuple[str, int, int]] = (),
 ) -> bool:
     with store.engine.connect() as conn:
         rows = conn.execute(
@@ -188,6 +190,7 @@ def report(
         ("replays that named another operation", len(tally.mismatched_replays), 0),
         ("changed-amount reuses not refused", tally.reuse_attempts - tally.reuse_refused, 0),
         ("webhook deliveries that conflicted", webhooks[WebhookStatus.CONFLICT.value], 0),
+        *extra,
     ]
     ok = True
     for label, value, expected in checks:

@@ -60,7 +60,8 @@ def _entry(
         merchant_reference=str(effect.get("idempotency_key") or ""),
         fee=fee(amount) if kind is Entry.CAPTURE else 0,
         tags={k: v for k, v in metadata.items() if k.startswith("payorch_")},
-        batch=batch,
+        # A Stripe payout is in one currency: one per currency of the batch.
+        batch=f"{batch}_{currency.lower()}" if batch.startswith("po_") else batch,
     )
 
 

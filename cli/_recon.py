@@ -103,6 +103,14 @@ def _batch_line(batch: Any) -> str:
     )
 
 
+def _reference(own: str | None, payment: str | None) -> str:
+    """A row's references: its payment's first, then its own where that differs (Adyen's
+    capture or refund modification)."""
+    if payment and own and own != payment:
+        return f"{payment} / {own}"
+    return payment or own or "-"
+
+
 def _counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} {name}" for name, n in sorted(counts.items())) or "nothing new"
 
@@ -260,7 +268,7 @@ def _show_report(report: ReconReport) -> None:
                 r.klass,
                 r.row_key,
                 Text(render.printable(f"{r.file}:{r.line}")),
-                r.reference or "-",
+                _reference(r.reference, r.payment_reference),
                 _money(r.amount, r.currency),
                 r.operation_id or "-",
                 Text(render.printable(str(note))),

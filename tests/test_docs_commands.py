@@ -36,7 +36,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import IO
 
@@ -46,6 +46,7 @@ from cli_helpers import claim, to_unknown
 from outbox_apps import hooks
 
 from payorch.core import State
+from payorch.provider.settlement import Entry, ReportEntry, write_adyen_settlement
 from payorch.providers.sandbox import SandboxServer
 from payorch.providers.stripe.emulator import API_KEY, StripeEmulator
 from payorch.storage._store import Store
@@ -74,6 +75,8 @@ SUBSTITUTIONS: dict[str, str] = {
     "REF": "@reference",
     "WHEN": "24h",
     "DURATION": "15m",
+    # a settlement report the docs import (written by the world)
+    "settlement_detail_report_batch_118.csv": "@settlement_file",
 }
 # What a placeholder means in a command group's lines: (its first words) -> {placeholder: value}.
 COMMAND_SUBSTITUTIONS: dict[tuple[str, ...], dict[str, str]] = {
@@ -246,6 +249,21 @@ def seed(store: Store) -> dict[str, str]:
     }
 
 
+def settlement_file(directory: Path) -> Path:
+    """An Adyen settlement batch showing the seeded succeeded payment (``sbx_doc_1003``)."""
+    entry = ReportEntry(
+        entry=Entry.CAPTURE,
+        reference="sbx_doc_1003",
+        amount=1999,
+        currency="EUR",
+        created_at=datetime.now(UTC),
+        merchant_reference="order-1003",
+    )
+    path = directory / "settlement_detail_report_batch_118.csv"
+    path.write_bytes(write_adyen_settlement([entry], merchant_account="ShopECOM", batch=118))
+    return path
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     base = tmp_path_factory.mktemp("docs")
@@ -276,6 +294,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             roles = seed(store)
         finally:
             store.close()
+        roles["settlement_file"] = str(settlement_file(base))
         yield World(template=template, roles=roles, env=env)
 
 

@@ -224,6 +224,7 @@ SPECIAL: dict[str, dict[str, Any]] = {
     "CorruptRecord": {"tenant_id": "t", "operation_id": "op", "problem": "json"},
     "EffectFailed": {"effect_id": "eff", "error_type": "Refused", "error_message": "no"},
     "EffectOutcomeUnknown": {"effect_id": "eff"},
+    "SettlementReportInvalid": {"file": "day-1.csv", "row": 2, "column": "gross"},
 }
 
 

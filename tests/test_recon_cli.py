@@ -47,6 +47,11 @@ def test_import_report_and_adopt_an_orphan(
     report = json.loads(shown.stdout)
     (orphan,) = [r for r in report["listed"] if r["class"] == "orphan"]
     assert orphan["adoptable"] and orphan["reference"] == lost.provider_reference
+    scoped = run(db_url, "recon", "report", "--file", result["digest"][:12], "--json")
+    assert scoped.exit_code == 0, scoped.output
+    one = json.loads(scoped.stdout)
+    assert [f["digest"] for f in one["files"]] == [result["digest"]]
+    assert [b["status"] for b in one["batches"]] == ["balanced"]
     text = run(db_url, "recon", "report")
     assert text.exit_code == 0 and "balanced" in text.stdout and "adoptable" in text.stdout
 

@@ -12,12 +12,14 @@ second effect for one namespace is flagged with both references.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ..core import State, downstream_key
@@ -27,6 +29,7 @@ from ..outcome import settled
 from ..provider import TAG_KEY, TAG_OPERATION, TAG_REF, TAG_TENANT, Answer, AnswerKind
 from ..provider.settlement._rows import Entry
 from ..records import OperationRecord
+from ..storage._engine import run_in_transaction
 from ..storage._store import Store
 from . import _ledger as ledger
 
@@ -34,6 +37,7 @@ __all__ = ["RESOLUTION", "ReconPolicy", "RowClass", "Verdict", "judge_pending"]
 
 RESOLUTION = "settlement"  # the resolution of an operation a settlement row settled
 _ATTEMPTS = 3  # an operation that keeps changing under a judgement: judged again
+_PLAIN_BATCH = 500  # rows recorded per transaction when nothing else is written
 
 log = logging.getLogger("payorch.recon")
 
@@ -149,6 +153,11 @@ def _tag_key(row: Mapping[str, Any]) -> str | None:
         return None
 
 
+def _execute(conn: Connection, *, statements: Sequence[sa.Update]) -> None:
+    for statement in statements:
+        conn.execute(statement)
+
+
 def _prefer(found: Sequence[OperationRecord], wanted: Sequence[str]) -> OperationRecord | None:
     if not found:
         return None
@@ -168,6 +177,8 @@ def _summary(row: Mapping[str, Any]) -> dict[str, Any]:
         "category": row["category"],
         "batch": row["batch"],
         "reference": row["reference"],
+        "payment_reference": row["payment_reference"],
+        "merchant_reference": row["merchant_reference"],
         "amount": row["amount"],
         "currency": row["currency"],
         "booked_at": row["booked_at"].isoformat(),
@@ -208,6 +219,17 @@ class Judge:
         self.account = account
         self.policy = policy
         self.actor = actor
+        # The operations as this import last wrote or read them (the bulk read's, at first):
+        # a row settles on that version, and a lost compare-and-set reads it again.
+        self.latest: dict[tuple[str, str], OperationRecord] = {}
+        # Rows whose class writes nothing else, recorded a batch per transaction.
+        self.plain: list[sa.Update] = []
+
+    def flush(self) -> None:
+        """Record the plain rows judged so far (one transaction per batch)."""
+        while self.plain:
+            batch, self.plain = self.plain[:_PLAIN_BATCH], self.plain[_PLAIN_BATCH:]
+            run_in_transaction(self.store.engine, functools.partial(_execute, statements=batch))
 
     def judge(self, row: Mapping[str, Any], candidates: _Candidates) -> Verdict:
         entry = Entry(row["entry"])
@@ -216,15 +238,23 @@ class Judge:
         found, how = candidates.find(row, self.policy)
         if found is None:
             return self._record(row, RowClass.ORPHAN, None, {"note": "no operation's effect"})
+        key = (found.tenant_id, found.id)
+        record: OperationRecord | None = self.latest.get(key, found)
         for _ in range(_ATTEMPTS):
-            try:
-                record = self.store.get(found.tenant_id, found.id)
-            except OperationNotFound:
+            if record is None:
                 break
             try:
-                return self._apply(row, record, how or "reference")
+                verdict = self._apply(row, record, how or "reference")
             except StaleVersion:
-                continue  # written since it was read: judge it again as it stands now
+                # Written since it was read: judge it again as it stands now.
+                try:
+                    record = self.store.get(found.tenant_id, found.id)
+                except OperationNotFound:
+                    record = None
+                continue
+            if verdict.operation is not None:
+                self.latest[key] = verdict.operation
+            return verdict
         note = "its operation kept changing while it was judged; look again"
         return self._record(row, RowClass.ORPHAN, None, {"note": note})
 
@@ -255,10 +285,11 @@ class Judge:
         detail: Mapping[str, Any],
     ) -> Verdict:  # fmt: skip
         kept = {**(row.get("detail") or {}), **detail}
-        ledger.run(
-            self.store,
-            ledger.judged((self.provider, self.account, row["row_key"]), klass, record, kept),
+        self.plain.append(
+            ledger.judged((self.provider, self.account, row["row_key"]), klass, record, kept)
         )
+        if len(self.plain) >= _PLAIN_BATCH:
+            self.flush()
         return Verdict(row["row_key"], klass, record, kept)
 
     def _also(
@@ -338,4 +369,7 @@ def judge_pending(
         return []
     candidates = _Candidates(store, provider, rows)
     judge = Judge(store, provider, account, policy, actor)
-    return [judge.judge(row, candidates) for row in rows]
+    try:
+        return [judge.judge(row, candidates) for row in rows]
+    finally:
+        judge.flush()  # what was judged is kept, even when a later row fails

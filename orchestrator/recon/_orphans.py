@@ -16,6 +16,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from ..core import is_namespace_key
 from ..errors import InvalidRequest
 from ..operations import Registry
 from ..provider import AnswerKind, ProviderEffect
@@ -50,6 +51,13 @@ def refusal_of(row: Mapping[str, Any], key_scope: str | None = None) -> str | No
     """Why an orphan row cannot be adopted; None if it can."""
     effect = effect_of(row)
     if not effect.ours:
+        key = row.get("merchant_reference")
+        if isinstance(key, str) and is_namespace_key(key):
+            return (
+                f"made under payorch's key {key} (a claim lost?), but the report names no "
+                "namespace (no metadata columns): look it up with `payorch effects "
+                "unexplained` where the provider lists its effects, or settle it by hand"
+            )
         return "its row carries no payorch tags (no metadata columns): settle it by hand"
     return unexplained.adoption_refusal(effect, key_scope=key_scope)
 

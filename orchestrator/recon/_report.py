@@ -234,7 +234,7 @@ def build_report(
 
     Rows = list[dict[str, Any]]
 
-    def read(conn: Connection) -> tuple[Rows, Rows, Rows]:
+    def read(conn: Connection) -> tuple[Rows, Rows, Rows, Rows]:
         files = [
             dict(m)
             for m in conn.execute(
@@ -267,9 +267,21 @@ def build_report(
             if digests
             else []
         )
-        return files, counts, listed
+        touched = (
+            [
+                dict(m)
+                for m in conn.execute(
+                    sa.select(r.provider, r.account, r.batch)
+                    .distinct()
+                    .where(r.file_digest.in_(digests), r.batch.is_not(None))
+                ).mappings()
+            ]
+            if digests and digest is not None
+            else []
+        )
+        return files, counts, listed, touched
 
-    files, counts, listed = read_in_transaction(store.engine, read)
+    files, counts, listed, touched = read_in_transaction(store.engine, read)
     per_file: dict[str, dict[str, int]] = {}
     total: dict[str, int] = {}
     for c in counts:
@@ -293,7 +305,17 @@ def build_report(
         for x in files
     )
     accounts = sorted({(x["provider"], x["account"]) for x in files})
-    batches = tuple(b for p, a in accounts for b in check_batches(store, p, a))
+    wanted: dict[tuple[str, str], list[str]] | None = None
+    if digest is not None:  # one file: the batches its rows are in
+        wanted = {}
+        for t in touched:
+            wanted.setdefault((t["provider"], t["account"]), []).append(t["batch"])
+    batches = tuple(
+        b
+        for p, a in accounts
+        if wanted is None or (p, a) in wanted
+        for b in check_batches(store, p, a, None if wanted is None else wanted[(p, a)])
+    )
     rows = tuple(
         ListedRow(
             provider=m["provider"],

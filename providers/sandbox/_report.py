@@ -58,6 +58,7 @@ def _entry(
         created_at=datetime.fromtimestamp(int(effect["created"]), UTC),
         payment_reference=payment if isinstance(payment, str) else None,
         merchant_reference=str(effect.get("idempotency_key") or ""),
+        payment_merchant_reference=paid.get("idempotency_key") if paid is not None else None,
         fee=fee(amount) if kind is Entry.CAPTURE else 0,
         tags={k: v for k, v in metadata.items() if k.startswith("payorch_")},
         # A Stripe payout is in one currency: one per currency of the batch.

@@ -76,15 +76,28 @@ def _policy(lag: timedelta | None) -> Any:
 
 
 def _account(provider: str, account: str | None) -> str | None:
-    """The account to check files against: the option, else the configured one."""
+    """The account to check files against: the option, else the merchant account of the
+    app's adapter of that name (``PAYORCH_PROVIDERS``), else, for adyen, the configured one."""
     if account is not None:
         return account
-    if provider != "adyen":
-        return None
     try:
-        return provider_settings().adyen_merchant_account
+        config = provider_settings()
     except PayorchError:
         return None
+    if config.providers:
+        from ._adapters import load_providers
+
+        adapters = load_providers(config.providers, "PAYORCH_PROVIDERS")
+        try:
+            chosen = next((a for a in adapters if a.name == provider), None)
+            held = getattr(chosen, "merchant_account", None)
+            return held if isinstance(held, str) and held else None
+        finally:
+            for adapter in adapters:
+                close = getattr(adapter, "close", None)
+                if callable(close):
+                    close()
+    return config.adyen_merchant_account if provider == "adyen" else None
 
 
 def _money(amount: int | None, currency: str | None) -> str:

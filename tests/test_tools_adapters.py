@@ -14,7 +14,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from conftest import age, make_due
 from payorch.cli._adapters import providers_from
 from payorch.core import State
 from payorch.execution._executor import Executor, RetryPolicy
+from payorch.provider.settlement import Entry, ReportEntry, write_adyen_settlement
 from payorch.providers.adyen.emulator import AdyenEmulator
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.storage._store import Store
@@ -432,3 +433,28 @@ def test_the_hook_may_name_the_apps_integration(
     assert adapter is flaskshop.payorch.providers[0]
     flaskshop.payorch.close()
     sys.modules.pop("flaskshop", None)
+
+
+def test_recon_import_checks_files_against_the_apps_adyen_merchant_account(
+    app_dir: Path, db_url: str, adyen_emulator: AdyenEmulator, tmp_path: Path
+) -> None:
+    """The account a settlement file must be for is the app's adapter's, not an option."""
+    paid = ReportEntry(
+        entry=Entry.CAPTURE,
+        reference="PSP0000000000001",
+        amount=1000,
+        currency="EUR",
+        created_at=datetime.now(UTC),
+    )
+    ours = tmp_path / "settlement_detail_report_batch_1.csv"
+    account = adyen_emulator.merchant_account
+    ours.write_bytes(write_adyen_settlement([paid], merchant_account=account, batch=1))
+    theirs = tmp_path / "settlement_detail_report_batch_2.csv"
+    theirs.write_bytes(write_adyen_settlement([paid], merchant_account="ElseECOM", batch=2))
+    env = app_env(adyen_emulator)
+
+    refused = run(db_url, "recon", "import", "--provider", "adyen", str(theirs), env=env)
+    assert refused.exit_code == 1
+    assert f"not {adyen_emulator.merchant_account!r}" in one_error_line(refused)
+    accepted = run(db_url, "recon", "import", "--provider", "adyen", str(ours), env=env)
+    assert accepted.exit_code == 0, accepted.output

@@ -146,6 +146,11 @@ class AdyenProvider(ClosesClients):
         return IDEMPOTENCY_WINDOW
 
     @property
+    def merchant_account(self) -> str:
+        """The merchant account it pays into (a settlement report of another is refused)."""
+        return self._merchant_account
+
+    @property
     def verifies_webhooks(self) -> bool:
         """Whether a delivery can be verified: built with its ``hmac_key``."""
         return self._hmac_key is not None

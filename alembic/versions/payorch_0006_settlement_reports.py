@@ -72,7 +72,6 @@ def upgrade() -> None:
         ("batch", ["provider", "account", "batch"]),
         ("reference", ["provider", "reference"]),
         ("payment", ["provider", "payment_reference"]),
-        ("operation", ["tenant_id", "operation_id"]),
         ("class", ["provider", "class"]),
     ):
         op.create_index(f"ix_payorch_recon_rows_{name}", "payorch_recon_rows", columns)

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ..core import State, downstream_key
@@ -153,11 +152,6 @@ def _tag_key(row: Mapping[str, Any]) -> str | None:
         return None
 
 
-def _execute(conn: Connection, *, statements: Sequence[sa.Update]) -> None:
-    for statement in statements:
-        conn.execute(statement)
-
-
 def _prefer(found: Sequence[OperationRecord], wanted: Sequence[str]) -> OperationRecord | None:
     if not found:
         return None
@@ -223,13 +217,15 @@ class Judge:
         # a row settles on that version, and a lost compare-and-set reads it again.
         self.latest: dict[tuple[str, str], OperationRecord] = {}
         # Rows whose class writes nothing else, recorded a batch per transaction.
-        self.plain: list[sa.Update] = []
+        self.plain: list[dict[str, Any]] = []
 
     def flush(self) -> None:
         """Record the plain rows judged so far (one transaction per batch)."""
         while self.plain:
             batch, self.plain = self.plain[:_PLAIN_BATCH], self.plain[_PLAIN_BATCH:]
-            run_in_transaction(self.store.engine, functools.partial(_execute, statements=batch))
+            run_in_transaction(
+                self.store.engine, functools.partial(ledger.record_judged, params=batch)
+            )
 
     def judge(self, row: Mapping[str, Any], candidates: _Candidates) -> Verdict:
         entry = Entry(row["entry"])
@@ -298,9 +294,8 @@ class Judge:
         kept = {**(row.get("detail") or {}), **detail}
 
         def write(conn: Connection, record: OperationRecord) -> None:
-            conn.execute(
-                ledger.judged((self.provider, self.account, row["row_key"]), klass, record, kept)
-            )
+            where = (self.provider, self.account, row["row_key"])
+            ledger.record_judged(conn, [ledger.judged(where, klass, record, kept)])
 
         return write
 

@@ -139,23 +139,45 @@ def judged(
     klass: str,
     record: OperationRecord | None,
     detail: Mapping[str, Any],
-) -> sa.Update:
-    """The UPDATE that records a row's class (run in the transaction that acts on it)."""
+) -> dict[str, Any]:
+    """The parameters of :data:`JUDGED` that record a row's class."""
     provider, account, key = where
-    r = recon_rows.c
-    return (
-        recon_rows.update()
-        .where(r.provider == provider, r.account == account, r.row_key == key)
-        .values(
-            {
-                "class": klass,
-                "tenant_id": record.tenant_id if record is not None else None,
-                "operation_id": record.id if record is not None else None,
-                "detail": dict(detail),
-                "judged_at": db_now(),
-            }
-        )
+    return {
+        "w_provider": provider,
+        "w_account": account,
+        "w_key": key,
+        "v_class": klass,
+        "v_tenant": record.tenant_id if record is not None else None,
+        "v_operation": record.id if record is not None else None,
+        "v_detail": dict(detail),
+    }
+
+
+_r = recon_rows.c
+# One statement for every judged row: run once in the transaction that acts on the row's
+# operation, or for many rows at once (an executemany) when nothing else is written.
+JUDGED = (
+    recon_rows.update()
+    .where(
+        _r.provider == sa.bindparam("w_provider"),
+        _r.account == sa.bindparam("w_account"),
+        _r.row_key == sa.bindparam("w_key"),
     )
+    .values(
+        {
+            "class": sa.bindparam("v_class"),
+            "tenant_id": sa.bindparam("v_tenant"),
+            "operation_id": sa.bindparam("v_operation"),
+            "detail": sa.bindparam("v_detail", type_=recon_rows.c.detail.type),
+            "judged_at": db_now(),
+        }
+    )
+)
+
+
+def record_judged(conn: Connection, params: Sequence[Mapping[str, Any]]) -> None:
+    if params:
+        conn.execute(JUDGED, list(params))
 
 
 def run(store: Store, statement: sa.Executable) -> None:

@@ -476,7 +476,6 @@ recon_rows = sa.Table(
     sa.Index("ix_payorch_recon_rows_batch", "provider", "account", "batch"),
     sa.Index("ix_payorch_recon_rows_reference", "provider", "reference"),
     sa.Index("ix_payorch_recon_rows_payment", "provider", "payment_reference"),
-    sa.Index("ix_payorch_recon_rows_operation", "tenant_id", "operation_id"),
     sa.Index("ix_payorch_recon_rows_class", "provider", "class"),
 )
 

@@ -27,6 +27,7 @@ from ._judge import ReconPolicy
 
 __all__ = ["Expected", "check_expected"]
 
+OVERDUE = "settlement_overdue"  # the event an overdue operation is flagged with, once
 MAX_EXPECTED = 100_000  # operations read per check: a bound, reported when reached
 
 
@@ -111,6 +112,8 @@ def check_expected(
 def _flag_overdue(
     store: Store, record: OperationRecord, policy: ReconPolicy, since: datetime, actor: str
 ) -> None:
+    if any(e.kind == OVERDUE for e in store.events(record.tenant_id, record.id)):
+        return  # flagged once already (and acknowledged since): never again
     detail = {
         "decision": "succeeded, and in no settlement report past the settlement lag: flagged",
         "settlement_lag_seconds": int(policy.settlement_lag.total_seconds()),
@@ -118,4 +121,4 @@ def _flag_overdue(
         "provider_reference": record.provider_reference,
     }
     with contextlib.suppress(StaleVersion):  # written since it was read: the next import looks
-        store.flag_attention(record, kind="settlement_overdue", actor=actor, detail=detail)
+        store.flag_attention(record, kind=OVERDUE, actor=actor, detail=detail)

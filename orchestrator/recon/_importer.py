@@ -110,6 +110,14 @@ def import_report(
             f"{account!r}; nothing imported"
         )
     into = account if account is not None else (report.account or "")
+    elsewhere = ledger.accounts_of(store, provider, report.digest) - {into}
+    if elsewhere:
+        # Rows naming no account are keyed by the one given: the same file under another
+        # would be imported, and judged, twice.
+        raise SettlementAccountMismatch(
+            f"{shown}: imported before for account {sorted(elsewhere)[0]!r}, not {into!r}; "
+            "nothing imported"
+        )
     stored = ledger.store_report(store, report, provider, into)
     verdicts = tuple(judge_pending(store, provider, into, policy, actor))
     touched = sorted({row.batch for row in report.rows if row.batch is not None})

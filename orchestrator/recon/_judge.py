@@ -58,6 +58,8 @@ class RowClass(enum.StrEnum):
 
 
 _FLAGGED = frozenset({RowClass.MISMATCH, RowClass.CONTRADICTION, RowClass.DUPLICATE})
+# The events a settlement flags an operation with (a later settling row keeps the flag).
+_SETTLEMENT_FLAGS = frozenset(f"settlement_{c.value}" for c in _FLAGGED)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,7 +104,7 @@ class _Candidates:
         keys: set[str] = set()
         for row in rows:
             refs.update(r for r in (row["reference"], row["payment_reference"]) if r)
-            keys.update(k for k in (row["merchant_reference"], _tag_key(row)) if k)
+            keys.update(k for k in (row["merchant_reference"], _tag_key(row), _paid_key(row)) if k)
         self.by_reference = ledger.by_references(store, provider, refs)
         self.by_key = ledger.by_downstream_keys(store, provider, keys)
         self.store = store
@@ -119,13 +121,19 @@ class _Candidates:
             ("reference", [op for ref in refs if ref for op in self.by_reference.get(ref, [])]),
             ("downstream_key", list(self.by_key.get(row["merchant_reference"] or "", []))),
             ("downstream_key", list(self.by_key.get(_tag_key(row) or "", []))),
+            # A separate capture's row names its payment's key too: the authorisation.
+            ("downstream_key", list(self.by_key.get(_paid_key(row) or "", []))),
             ("namespace", self._namespace(row)),
         ]
-        for how, found in tries:
-            chosen = _prefer(found, wanted)
-            if chosen is not None:
-                return chosen, how
-        return None, None
+        # The operation type the row prefers wins over the order it was found in: a separate
+        # capture's row finds the authorisation by its payment's reference first, and its
+        # own payment.capture (not answered yet) by the capture's key.
+        found = [(how, op) for how, ops in tries for op in ops]
+        for operation in wanted:
+            for how, op in found:
+                if op.operation == operation:
+                    return op, how
+        return (found[0][1], found[0][0]) if found and not wanted else (None, None)
 
     def _namespace(self, row: Mapping[str, Any]) -> list[OperationRecord]:
         tags = _tags(row)
@@ -144,22 +152,18 @@ def _tags(row: Mapping[str, Any]) -> Mapping[str, str]:
     return tags if isinstance(tags, Mapping) else {}
 
 
+def _paid_key(row: Mapping[str, Any]) -> str | None:
+    detail = row.get("detail") or {}
+    key = detail.get("payment_merchant_reference") if isinstance(detail, Mapping) else None
+    return key if isinstance(key, str) and key else None
+
+
 def _tag_key(row: Mapping[str, Any]) -> str | None:
     ref = _tags(row).get(TAG_REF)
     try:
         return downstream_key(ref) if ref else None
     except ValueError:
         return None
-
-
-def _prefer(found: Sequence[OperationRecord], wanted: Sequence[str]) -> OperationRecord | None:
-    if not found:
-        return None
-    for operation in wanted:
-        for record in found:
-            if record.operation == operation:
-                return record
-    return found[0] if not wanted else None
 
 
 def _summary(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -227,7 +231,14 @@ class Judge:
                 self.store.engine, functools.partial(ledger.record_judged, params=batch)
             )
 
-    def judge(self, row: Mapping[str, Any], candidates: _Candidates) -> Verdict:
+    def judge(self, row: Mapping[str, Any], candidates: _Candidates) -> Verdict | None:
+        """The row's verdict, written; None when another import judged it first."""
+        try:
+            return self._judge(row, candidates)
+        except ledger.AlreadyJudged:
+            return None
+
+    def _judge(self, row: Mapping[str, Any], candidates: _Candidates) -> Verdict:
         entry = Entry(row["entry"])
         if not entry.effect:
             return self._record(row, RowClass.OTHER, None, {})
@@ -295,7 +306,7 @@ class Judge:
 
         def write(conn: Connection, record: OperationRecord) -> None:
             where = (self.provider, self.account, row["row_key"])
-            ledger.record_judged(conn, [ledger.judged(where, klass, record, kept)])
+            ledger.record_one_judged(conn, ledger.judged(where, klass, record, kept))
 
         return write
 
@@ -322,10 +333,19 @@ class Judge:
         )
         return Verdict(row["row_key"], klass, flagged, {**(row.get("detail") or {}), **detail})
 
+    def _flagged_by_settlement(self, record: OperationRecord) -> bool:
+        if not record.needs_attention:
+            return False
+        return any(
+            e.kind in _SETTLEMENT_FLAGS for e in self.store.events(record.tenant_id, record.id)
+        )
+
     def _settle(
         self, row: Mapping[str, Any], record: OperationRecord, detail: dict[str, Any],
         evidence: dict[str, Any], *, flag: bool,
     ) -> Verdict:  # fmt: skip
+        # Another amount or currency: settled all the same (the money moved), and listed.
+        klass = RowClass.MISMATCH if flag else RowClass.SETTLES_UNKNOWN
         ref = record.provider_reference or _reference_for(record, row, self.policy)
         decision = settled(Answer(kind=AnswerKind.SUCCEEDED, provider_reference=ref))
         assert decision is not None
@@ -341,14 +361,15 @@ class Judge:
             error_code=None,
             resolution=RESOLUTION,
             checks_delta=1,
-            # Settled by evidence: nothing left for a human, unless the amounts differ.
-            needs_attention=flag,
-            also=self._also(row, RowClass.SETTLES_UNKNOWN, detail),
+            # Settled by evidence: nothing left for a human, unless the amounts differ or
+            # a settlement flagged it before (a second effect found in an earlier file).
+            needs_attention=flag or self._flagged_by_settlement(record),
+            also=self._also(row, klass, detail),
         )
         logs.transition(record, after, RESOLUTION, evidence, logger=log)
         return Verdict(
             row["row_key"],
-            RowClass.SETTLES_UNKNOWN,
+            klass,
             after,
             {**(row.get("detail") or {}), **detail},
         )
@@ -365,6 +386,7 @@ def judge_pending(
     candidates = _Candidates(store, provider, rows)
     judge = Judge(store, provider, account, policy, actor)
     try:
-        return [judge.judge(row, candidates) for row in rows]
+        verdicts = (judge.judge(row, candidates) for row in rows)
+        return [v for v in verdicts if v is not None]
     finally:
         judge.flush()  # what was judged is kept, even when a later row fails

@@ -17,7 +17,16 @@ from ..storage._engine import read_in_transaction, run_in_transaction
 from ..storage._store import Store
 from ..storage._tables import db_now, operations, recon_files, recon_providers, recon_rows
 
-__all__ = ["Stored", "by_downstream_keys", "by_references", "pending", "store_report"]
+__all__ = [
+    "AlreadyJudged",
+    "Stored",
+    "by_downstream_keys",
+    "by_references",
+    "pending",
+    "record_judged",
+    "record_one_judged",
+    "store_report",
+]
 
 _CHUNK = 500  # values per IN list: one statement per chunk, whatever the file's size
 _ROW_CHUNK = 1000  # rows per INSERT
@@ -43,6 +52,8 @@ def _row_values(
     detail: dict[str, Any] = {"raw": dict(row.raw)}
     if row.tags:
         detail["tags"] = dict(row.tags)
+    if row.payment_merchant_reference and row.payment_merchant_reference != row.merchant_reference:
+        detail["payment_merchant_reference"] = row.payment_merchant_reference
     return {
         "provider": provider,
         "account": account,
@@ -121,6 +132,13 @@ def store_report(store: Store, report: ParsedReport, provider: str, account: str
     return run_in_transaction(store.engine, txn)
 
 
+def accounts_of(store: Store, provider: str, digest: str) -> set[str]:
+    """The accounts a file (by digest) was imported for."""
+    f = recon_files.c
+    query = sa.select(f.account).where(f.provider == provider, f.digest == digest)
+    return read_in_transaction(store.engine, lambda conn: set(conn.execute(query).scalars()))
+
+
 def pending(store: Store, provider: str, account: str) -> list[Mapping[str, Any]]:
     """The account's rows not judged yet, in booking order (a file's, or a stopped one's)."""
     r = recon_rows.c
@@ -162,6 +180,8 @@ JUDGED = (
         _r.provider == sa.bindparam("w_provider"),
         _r.account == sa.bindparam("w_account"),
         _r.row_key == sa.bindparam("w_key"),
+        # Judged once: another import judging the same rows at once changes none twice.
+        _r["class"].is_(None),
     )
     .values(
         {
@@ -175,9 +195,21 @@ JUDGED = (
 )
 
 
+class AlreadyJudged(Exception):
+    """Another import judged the row first: the transaction acting on it is rolled back."""
+
+
 def record_judged(conn: Connection, params: Sequence[Mapping[str, Any]]) -> None:
+    """Record rows as judged (rows another import judged meanwhile are left as they are)."""
     if params:
         conn.execute(JUDGED, list(params))
+
+
+def record_one_judged(conn: Connection, params: Mapping[str, Any]) -> None:
+    """Record one row as judged, in the transaction that acts on its operation: raises
+    :class:`AlreadyJudged` (rolling that back) when another import judged it first."""
+    if conn.execute(JUDGED, dict(params)).rowcount != 1:
+        raise AlreadyJudged(params["w_key"])
 
 
 def run(store: Store, statement: sa.Executable) -> None:

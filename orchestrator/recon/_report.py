@@ -39,16 +39,17 @@ class BatchCheck:
     rows: int
     net: int
     paid: int | None
+    payouts: int = 0  # payout rows among ``rows``
 
     @property
     def status(self) -> str:
-        if self.paid is None:
-            return "open"
+        if self.paid is None or self.rows <= self.payouts:
+            return "open"  # no payout row yet, or none of the rows it pays out
         return "balanced" if self.net == self.paid else "unbalanced"
 
     @property
     def difference(self) -> int | None:
-        return None if self.paid is None else self.net - self.paid
+        return None if self.status == "open" or self.paid is None else self.net - self.paid
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,6 +79,7 @@ def check_batches(
             net=int(row["net"]),
             # The payout leaves the balance (negative): what reached the bank is its opposite.
             paid=-int(row["payout"]) if row["payouts"] else None,
+            payouts=int(row["payouts"]),
         )
         for row in ledger.batch_sums(store, provider, account, batches)
     ]

@@ -21,7 +21,7 @@ from iso4217 import Currency
 
 from ...errors import SettlementReportInvalid
 from ._rows import Entry, ParsedReport, SettlementRow
-from ._table import Cells, Table, fixed_zone
+from ._table import MAX_ACCOUNT, MAX_REFERENCE, Cells, Table, fixed_zone
 
 __all__ = ["FORMAT", "adyen_exponent", "parse_adyen"]
 
@@ -65,8 +65,15 @@ _ZONES = {
 }  # fmt: skip
 
 
+# Where Adyen's minor units differ from ISO 4217 (its currency codes page: "For CLP, CVE,
+# IDR, and ISK the standard has a different number of decimals").
+_ADYEN_EXPONENTS = {"CLP": 2, "CVE": 0, "IDR": 0, "ISK": 2}
+
+
 def adyen_exponent(currency: str) -> int:
-    """The digits after the point of ``currency`` (ISO 4217, as Adyen's minor units)."""
+    """The digits after the point of ``currency`` in Adyen's minor units."""
+    if currency in _ADYEN_EXPONENTS:
+        return _ADYEN_EXPONENTS[currency]
     exponent = Currency(currency).exponent
     return 2 if exponent is None else exponent
 
@@ -79,7 +86,7 @@ def _zone(cells: Cells) -> timezone:
 def _row(cells: Cells, occurrence: Counter[str]) -> SettlementRow:
     category = cells.required("Type")
     entry = _ENTRIES.get(category, Entry.OTHER)
-    batch = cells.required("Batch Number")
+    batch = str(cells.bounded("Batch Number", cells.required("Batch Number"), MAX_ACCOUNT))
     if not batch.isdigit():
         raise cells.refuse("Batch Number", f"{batch!r} is not a batch number")
     net_currency = cells.currency("Net Currency")
@@ -97,8 +104,16 @@ def _row(cells: Cells, occurrence: Counter[str]) -> SettlementRow:
         amount = abs(gross)
     fees = [c for c in _FEES if cells.text(c) is not None]
     fee = sum(cells.amount(c, net_currency, adyen_exponent) for c in fees) if fees else None
-    psp = cells.text("Psp Reference")
-    modification = cells.text("Modification Reference")
+    psp = cells.bounded("Psp Reference", cells.text("Psp Reference"), MAX_REFERENCE)
+    modification = cells.bounded(
+        "Modification Reference", cells.text("Modification Reference"), MAX_REFERENCE
+    )
+    ours = cells.bounded("Merchant Reference", cells.text("Merchant Reference"), MAX_REFERENCE)
+    theirs = cells.bounded(
+        "Modification Merchant Reference",
+        cells.text("Modification Merchant Reference"),
+        MAX_REFERENCE,
+    )
     created_at = cells.time("Creation Date", _zone(cells))
     identity = "\x1f".join(
         [batch, category, psp or "", modification or "", net_currency, str(net), str(created_at)]
@@ -106,26 +121,27 @@ def _row(cells: Cells, occurrence: Counter[str]) -> SettlementRow:
     digest = hashlib.sha256(identity.encode()).hexdigest()[:24]
     occurrence[digest] += 1
     if entry is Entry.REFUND:
-        reference, merchant = modification, cells.text("Modification Merchant Reference")
+        reference, merchant = modification, theirs
     elif entry is Entry.PAYOUT or entry is Entry.OTHER:
-        reference, merchant = psp or modification, cells.text("Merchant Reference")
+        reference, merchant = psp or modification, ours
     elif entry is Entry.CAPTURE:
-        # The capture's own pspReference (a separate capture's, which payment.capture
-        # holds); the payment's is the row's payment reference, matched as well.
-        reference, merchant = modification or psp, cells.text("Merchant Reference")
+        # A separate capture's own pspReference and reference (which its payment.capture
+        # holds and sent); the payment's are matched as well.
+        reference, merchant = modification or psp, theirs or ours
     else:
-        reference, merchant = psp, cells.text("Merchant Reference")
+        reference, merchant = psp, ours
     return SettlementRow(
         line=cells.line,
         key=f"{batch}:{digest}:{occurrence[digest]}",
         entry=entry,
         category=category,
-        account=cells.required("Merchant Account"),
+        account=cells.bounded("Merchant Account", cells.required("Merchant Account"), MAX_ACCOUNT),
         batch=batch,
         created_at=created_at,
         reference=reference,
         payment_reference=psp,
         merchant_reference=merchant,
+        payment_merchant_reference=ours,
         tags={},
         amount=amount,
         currency=currency,

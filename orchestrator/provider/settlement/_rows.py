@@ -50,6 +50,8 @@ class SettlementRow:
     reference: str | None
     payment_reference: str | None
     merchant_reference: str | None  # the reference payorch sent (Adyen: the downstream key)
+    # The payment's, on a refund's or a separate capture's row (Adyen's Merchant Reference).
+    payment_merchant_reference: str | None = None
     tags: Mapping[str, str] = field(default_factory=dict)  # payorch_* metadata, when reported
     # What the customer was charged: the amount an operation holds, in its currency.
     amount: int | None

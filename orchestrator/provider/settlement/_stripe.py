@@ -30,7 +30,7 @@ from datetime import UTC
 
 from ...errors import SettlementReportInvalid
 from ._rows import Entry, ParsedReport, SettlementRow
-from ._table import Cells, Table
+from ._table import MAX_ACCOUNT, MAX_KEY, MAX_REFERENCE, Cells, Table
 
 __all__ = ["FORMAT", "parse_stripe", "stripe_exponent"]
 
@@ -97,9 +97,13 @@ def _row(table: Table, cells: Cells) -> SettlementRow:
         currency = shown
         amount = abs(cells.amount("customer_facing_amount", shown, stripe_exponent))
     time_column = next(c for c in TIMES if c in table.header)
-    payment = cells.first("payment_intent_id", "charge_id")
-    source = cells.text("source_id")
-    payout = cells.first("payout_id", "automatic_payout_id")
+    payment = cells.bounded(
+        "payment_intent_id", cells.first("payment_intent_id", "charge_id"), MAX_REFERENCE
+    )
+    source = cells.bounded("source_id", cells.text("source_id"), MAX_REFERENCE)
+    payout = cells.bounded(
+        "automatic_payout_id", cells.first("payout_id", "automatic_payout_id"), MAX_ACCOUNT
+    )
     if entry is Entry.PAYOUT:
         reference = cells.first("payout_id", "source_id")
         batch = reference or payout
@@ -108,10 +112,14 @@ def _row(table: Table, cells: Cells) -> SettlementRow:
         batch = payout
     return SettlementRow(
         line=cells.line,
-        key=cells.required("balance_transaction_id"),
+        key=str(
+            cells.bounded(
+                "balance_transaction_id", cells.required("balance_transaction_id"), MAX_KEY
+            )
+        ),
         entry=entry,
         category=category,
-        account=cells.text("connected_account"),
+        account=cells.bounded("connected_account", cells.text("connected_account"), MAX_ACCOUNT),
         batch=batch,
         created_at=cells.time(time_column, UTC),
         reference=reference,

@@ -25,6 +25,8 @@ from ...errors import SettlementReportInvalid
 __all__ = ["Cells", "Table", "read_table"]
 
 MAX_FILE_BYTES = 512 * 1024 * 1024  # a day of a large merchant fits; a wrong file does not
+MAX_MINOR = 10**15  # minor units: as an operation's amount is bounded (and a BIGINT holds it)
+MAX_KEY, MAX_ACCOUNT, MAX_REFERENCE = 128, 80, 255  # what the recon tables hold
 _AMOUNT = re.compile(r"[+-]?(\d+([.,]\d*)?|[.,]\d+)")
 _TIME_FORMATS = ("%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M", "%Y-%m-%d")
 
@@ -156,7 +158,15 @@ class Cells:
             raise self.refuse(
                 column, f"{value!r} has more decimals than {currency} has minor units"
             )
+        if abs(minor) > MAX_MINOR:
+            raise self.refuse(column, f"{value!r} is larger than any payment")
         return int(minor)
+
+    def bounded(self, column: str, value: str | None, limit: int) -> str | None:
+        """``value`` (read from ``column``), refused when longer than payorch stores."""
+        if value is not None and len(value) > limit:
+            raise self.refuse(column, f"longer than {limit} characters")
+        return value
 
     def time(self, column: str, zone: timezone = UTC) -> datetime:
         """The cell as an aware UTC time; a time without an offset is in ``zone``."""
@@ -175,7 +185,10 @@ class Cells:
                 raise self.refuse(column, f"{value!r} is not a date and time") from None
         if parsed.tzinfo is None:
             parsed = parsed.replace(tzinfo=zone)
-        return parsed.astimezone(UTC)
+        try:
+            return parsed.astimezone(UTC)
+        except OverflowError:
+            raise self.refuse(column, f"{value!r} is out of range") from None
 
     def present(self) -> dict[str, str]:
         """The row's non-empty cells (kept as the row's evidence)."""

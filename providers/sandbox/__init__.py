@@ -3,7 +3,8 @@
 from ._adapter import DEFAULT_TIMEOUT, SandboxProvider
 from ._api import CommitGate
 from ._faults import Fault
-from ._server import SandboxServer, serve
+from ._serve import serve
+from ._server import SandboxServer
 from ._webhooks import WebhookDelivery
 
 __all__ = [

@@ -13,17 +13,14 @@ import itertools
 import logging
 import math
 import secrets
-import signal
 import socket
 import socketserver
 import struct
-import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import FrameType
 from typing import Any, cast
 
 from standardwebhooks.webhooks import EmptyWebhookSecretError, Webhook
@@ -33,7 +30,7 @@ from ._faults import Fault, FaultPlan
 from ._ledger import Clock, EffectStatus
 from ._webhooks import MAX_DELAY, Outbox, WebhookDelivery, check_target, generate_secret
 
-__all__ = ["MAX_REQUEST_WAIT", "MAX_SPAN", "MAX_WEBHOOK_DELAY", "SandboxServer", "serve"]
+__all__ = ["MAX_REQUEST_WAIT", "MAX_SPAN", "MAX_WEBHOOK_DELAY", "SandboxServer"]
 
 log = logging.getLogger(__name__)
 
@@ -540,38 +537,3 @@ def _describe(
         f"{timing}, retry-after {retry_after}s",
         "press Ctrl-C to stop",
     ]
-
-
-def _announce(sandbox: SandboxServer) -> None:
-    # Standard output, flushed: a script (or a test) waits for the first line to know the URL.
-    sys.stdout.write("".join(f"{line}\n" for line in sandbox.describe()))
-    sys.stdout.flush()
-
-
-def serve(
-    host: str = "127.0.0.1",
-    port: int = 0,
-    *,
-    on_ready: Callable[[SandboxServer], None] | None = None,
-    **kwargs: Any,
-) -> None:
-    """Serve in the foreground until KeyboardInterrupt or SIGTERM (``payorch sandbox serve``)."""
-    stop_requested = threading.Event()
-    previous: Any = None
-    in_main = threading.current_thread() is threading.main_thread()
-
-    def on_sigterm(signum: int, frame: FrameType | None) -> None:
-        stop_requested.set()
-
-    if in_main:  # signal handlers can only be installed from the main thread
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        with (
-            SandboxServer(host=host, port=port, **kwargs) as sandbox,
-            contextlib.suppress(KeyboardInterrupt),  # Ctrl-C is the normal way out
-        ):
-            (on_ready or _announce)(sandbox)
-            stop_requested.wait()
-    finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)

@@ -25,8 +25,6 @@ import string
 import threading
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any, TypeGuard
 from urllib.parse import urlsplit
 
@@ -34,6 +32,7 @@ import httpx
 
 from ...testing import Delivery, Fault
 from ._adapter import AdyenProvider
+from ._emulator_books import Gate, Held, LedgerEffect, now
 from ._emulator_http import Reply, Server, error
 from ._notifications import SIGNED_FIELDS
 
@@ -46,51 +45,6 @@ HMAC_KEY = "44782DEF547AAA06C910C43932B1EB0C71FC68D9D0C057550C48EC2ACF6BA056"
 _RETURN_URL = "https://shop.invalid/checkout/return"
 _VERSION = "v71"
 _PSP_ALPHABET = string.ascii_uppercase + string.digits
-_HOLD_LIMIT = 10.0  # seconds a held request waits for its release at most
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds")
-
-
-@dataclass
-class _Key:
-    request: tuple[str, Any]  # (path, parsed body): what a repeat must match
-    reply: Reply | None = None  # None while the first request is in flight
-
-
-@dataclass
-class _Effect:
-    kind: str  # payment, capture, refund, cancel, technical_cancel
-    psp: str
-    key: str | None
-    reference: str | None
-    amount: dict[str, Any] | None = None
-    status: str = "received"  # payments: authorised, captured, refused, cancelled
-    payment: str | None = None  # a modification's payment pspReference
-    captured: int = 0
-    refunded: int = 0
-    # When it was made: a settlement row's Creation Date.
-    created: datetime = dataclasses.field(default_factory=lambda: datetime.now(UTC))
-
-
-class Gate:
-    """Holds one POST in flight after it claimed its key, until :meth:`release`."""
-
-    def __init__(self) -> None:
-        self._held = threading.Event()
-        self._released = threading.Event()
-
-    def wait_held(self, timeout: float = 5.0) -> bool:
-        """Whether a request is being held (waits at most ``timeout`` seconds)."""
-        return self._held.wait(timeout)
-
-    def release(self) -> None:
-        self._released.set()
-
-    def _hold(self) -> None:
-        self._held.set()
-        self._released.wait(_HOLD_LIMIT)
 
 
 class AdyenEmulator:
@@ -110,8 +64,8 @@ class AdyenEmulator:
         self._key_bytes = bytes.fromhex(hmac_key)
         self._version = version
         self._lock = threading.Lock()
-        self._keys: dict[str, _Key] = {}
-        self._effects: list[_Effect] = []
+        self._keys: dict[str, Held] = {}
+        self._effects: list[LedgerEffect] = []
         self._voided_refs: set[str] = set()
         self._items: list[dict[str, Any]] = []
         self._delivered: set[int] = set()  # indexes into _items
@@ -312,7 +266,9 @@ class AdyenEmulator:
         status, done = ("captured", amount) if captured else ("authorised", 0)
         with self._lock:
             psp = self._psp()
-            self._effects.append(_Effect("payment", psp, ref, ref, money, status, captured=done))
+            self._effects.append(
+                LedgerEffect("payment", psp, ref, ref, money, status, captured=done)
+            )
         return psp
 
     def settlement_report(
@@ -348,12 +304,12 @@ class AdyenEmulator:
     def _psp(self) -> str:
         return "".join(secrets.choice(_PSP_ALPHABET) for _ in range(16))
 
-    def _record(self, effect: _Effect, event: str, success: bool, **fields: Any) -> None:
+    def _record(self, effect: LedgerEffect, event: str, success: bool, **fields: Any) -> None:
         item: dict[str, Any] = {
             "additionalData": {},
             "amount": dict(effect.amount or {"value": 0, "currency": "EUR"}),
             "eventCode": event,
-            "eventDate": _now(),
+            "eventDate": now(),
             "merchantAccountCode": self.merchant_account,
             "merchantReference": effect.reference or "",
             "pspReference": effect.psp,
@@ -417,7 +373,7 @@ class AdyenEmulator:
         with self._lock:
             held = self._keys.get(key)
             if held is None:
-                self._keys[key] = _Key(request=request)
+                self._keys[key] = Held(request=request)
                 return None
             if held.request != request:
                 return error(422, "704", "request already processed or in progress")
@@ -460,7 +416,7 @@ class AdyenEmulator:
         refused = decline or voided
         status = "refused" if refused else ("authorised" if manual else "captured")
         captured = 0 if refused or manual else amount["value"]
-        effect = _Effect("payment", self._psp(), key, reference, dict(amount), status)
+        effect = LedgerEffect("payment", self._psp(), key, reference, dict(amount), status)
         effect.captured = captured
         self._effects.append(effect)
         reply: dict[str, Any] = {"pspReference": effect.psp, "merchantReference": reference}
@@ -483,7 +439,7 @@ class AdyenEmulator:
             return error(422, "137", "Invalid amount specified")
         reference = body.get("reference")
         reference = reference if isinstance(reference, str) else payment.reference
-        effect = _Effect(kind.removesuffix("s"), self._psp(), key, reference, dict(amount))
+        effect = LedgerEffect(kind.removesuffix("s"), self._psp(), key, reference, dict(amount))
         effect.payment = psp
         self._effects.append(effect)
         success, reason = self._apply(kind, payment, amount)
@@ -496,7 +452,7 @@ class AdyenEmulator:
             reply["amount"] = dict(amount)
         return Reply(status=201, body=reply)
 
-    def _apply(self, kind: str, payment: _Effect, amount: dict[str, Any]) -> tuple[bool, str]:
+    def _apply(self, kind: str, payment: LedgerEffect, amount: dict[str, Any]) -> tuple[bool, str]:
         fits = (payment.amount or {}).get("currency") == amount["currency"]
         value = amount["value"]
         if kind == "refunds":
@@ -530,7 +486,9 @@ class AdyenEmulator:
         # The notification names the original payment's reference (and its pspReference).
         original = target.psp if target else None
         money = dict(target.amount or {}) if target else {"value": 0, "currency": "EUR"}
-        cancel = _Effect("technical_cancel", self._psp(), key, reference, money, payment=original)
+        cancel = LedgerEffect(
+            "technical_cancel", self._psp(), key, reference, money, payment=original
+        )
         self._effects.append(cancel)
         self._record(cancel, "TECHNICAL_CANCEL", success, reason=reason, originalReference=original)
         reply = {"merchantAccount": self.merchant_account, "paymentReference": reference}

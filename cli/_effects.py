@@ -17,6 +17,7 @@ from ._runtime import (
     DatabaseUrl,
     JsonFlag,
     build_providers,
+    close_adapters,
     err,
     not_blank,
     open_store,
@@ -209,10 +210,7 @@ def unexplained_cmd(
                     json_=json_,
                 )
     finally:
-        for adapter in providers:
-            close = getattr(adapter, "close", None)
-            if callable(close):
-                close()
+        close_adapters(providers)
     if json_:
         render.print_json(_json(report))
     else:

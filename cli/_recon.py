@@ -22,6 +22,7 @@ from ._lazy import lazy_module
 from ._runtime import (
     DatabaseUrl,
     JsonFlag,
+    close_adapters,
     default_actor,
     duration_option,
     err,
@@ -93,10 +94,7 @@ def _account(provider: str, account: str | None) -> str | None:
             held = getattr(chosen, "merchant_account", None)
             return held if isinstance(held, str) and held else None
         finally:
-            for adapter in adapters:
-                close = getattr(adapter, "close", None)
-                if callable(close):
-                    close()
+            close_adapters(adapters)
     return config.adyen_merchant_account if provider == "adyen" else None
 
 

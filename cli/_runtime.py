@@ -7,7 +7,7 @@ import io
 import logging
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -292,6 +292,14 @@ def build_providers(config: ProviderSettings | None = None) -> list[Provider]:
     if config.adyen_api_key:
         providers.append(_adyen(config))
     return providers
+
+
+def close_adapters(adapters: Iterable[object]) -> None:
+    """Close the adapters the tools built (their HTTP clients), those that can be."""
+    for adapter in adapters:
+        close = getattr(adapter, "close", None)
+        if callable(close):
+            close()
 
 
 def _adyen(config: ProviderSettings) -> Provider:

@@ -228,6 +228,7 @@ def test_the_metrics_count_rows_by_class_and_show_duplicates_and_the_expected(
     def sample(name: str, **labels: str) -> float:
         return public.registry.get_sample_value(name, labels) or 0.0
 
+    escalations = sample("payorch_escalations_total", reason="evidence")
     first = pay(executor, "order-9")
     lose(store, first.operation_id)
     sandbox.advance(timedelta(hours=25))
@@ -236,6 +237,8 @@ def test_the_metrics_count_rows_by_class_and_show_duplicates_and_the_expected(
     shown = [e["id"] for e in sandbox.ledger() if e["id"] != late.provider_reference]
     import_report(store, sandbox.settlement_report(effects=shown), provider="sandbox")
 
+    # The duplicate flagged its operation for a human: counted as an escalation.
+    assert sample("payorch_escalations_total", reason="evidence") == escalations + 1
     try:
         assert public.watch(store) is not None
         rows = {

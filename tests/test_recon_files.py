@@ -182,7 +182,7 @@ def test_a_file_of_several_merchant_accounts_is_refused(store: Store) -> None:
         settled("PSP0000000000001", "k", "10.00", "9.88"),
         settled("PSP0000000000002", "k", "10.00", "9.88").replace(MERCHANT, "OtherECOM"),
     )
-    with pytest.raises(SettlementReportInvalid, match="several merchant accounts"):
+    with pytest.raises(SettlementReportInvalid, match="several accounts"):
         import_report(store, data, provider="adyen", name="b.csv")
     assert state_of(store)[2:] == ([], [])
 

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ..errors import StaleVersion
+from ..observing import _metrics as metrics
 from ..records import OperationRecord
 from ..storage._engine import read_in_transaction
 from ..storage._store import Store
@@ -122,3 +123,4 @@ def _flag_overdue(
     }
     with contextlib.suppress(StaleVersion):  # written since it was read: the next import looks
         store.flag_attention(record, kind=OVERDUE, actor=actor, detail=detail)
+        metrics.escalated("evidence")

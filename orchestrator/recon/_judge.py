@@ -24,12 +24,14 @@ from sqlalchemy.engine import Connection
 from ..core import State, downstream_key
 from ..errors import CorruptRecord, OperationNotFound, StaleVersion
 from ..observing import _logs as logs
+from ..observing import _metrics as metrics
 from ..outcome import settled
 from ..provider import TAG_KEY, TAG_OPERATION, TAG_REF, TAG_TENANT, Answer, AnswerKind
 from ..provider.settlement._rows import Entry
 from ..records import OperationRecord
 from ..storage._engine import run_in_transaction
 from ..storage._store import Store
+from ..storage._tables import operations
 from . import _ledger as ledger
 
 __all__ = ["RESOLUTION", "ReconPolicy", "RowClass", "Verdict", "judge_pending"]
@@ -105,8 +107,9 @@ class _Candidates:
         for row in rows:
             refs.update(r for r in (row["reference"], row["payment_reference"]) if r)
             keys.update(k for k in (row["merchant_reference"], _tag_key(row), _paid_key(row)) if k)
-        self.by_reference = ledger.by_references(store, provider, refs)
-        self.by_key = ledger.by_downstream_keys(store, provider, keys)
+        t = operations.c
+        self.by_reference = ledger.by_column(store, provider, t.provider_reference, refs)
+        self.by_key = ledger.by_column(store, provider, t.downstream_key, keys)
         self.store = store
 
     def find(
@@ -314,6 +317,8 @@ class Judge:
         self, row: Mapping[str, Any], record: OperationRecord, klass: RowClass,
         detail: dict[str, Any], evidence: dict[str, Any],
     ) -> Verdict:  # fmt: skip
+        if not record.needs_attention:
+            metrics.escalated("evidence")  # a settlement row a human must look at
         flagged = self.store.flag_attention(
             record,
             kind=f"settlement_{klass.value}",
@@ -367,6 +372,8 @@ class Judge:
             also=self._also(row, klass, detail),
         )
         logs.transition(record, after, RESOLUTION, evidence, logger=log)
+        if after.needs_attention and not record.needs_attention:
+            metrics.escalated("evidence")
         return Verdict(
             row["row_key"],
             klass,

@@ -20,8 +20,7 @@ from ..storage._tables import db_now, operations, recon_files, recon_providers, 
 __all__ = [
     "AlreadyJudged",
     "Stored",
-    "by_downstream_keys",
-    "by_references",
+    "by_column",
     "pending",
     "record_judged",
     "record_one_judged",
@@ -235,26 +234,15 @@ def _operations(
     return found
 
 
-def by_references(
-    store: Store, provider: str, references: Iterable[str]
+def by_column(
+    store: Store, provider: str, column: sa.Column[Any], values: Iterable[str | None]
 ) -> dict[str, list[OperationRecord]]:
-    """The operations (of any tenant) holding each provider reference."""
+    """The operations (of any tenant) of ``provider`` holding each of ``values`` in
+    ``column`` (``provider_reference``, ``downstream_key``)."""
     out: dict[str, list[OperationRecord]] = {}
-    refs = [ref for ref in references if ref]
-    for record in _operations(store, provider, operations.c.provider_reference, refs):
-        assert record.provider_reference is not None
-        out.setdefault(record.provider_reference, []).append(record)
-    return out
-
-
-def by_downstream_keys(
-    store: Store, provider: str, keys: Iterable[str]
-) -> dict[str, list[OperationRecord]]:
-    """The operations (of any tenant) that sent each downstream key."""
-    out: dict[str, list[OperationRecord]] = {}
-    wanted = [key for key in keys if key]
-    for record in _operations(store, provider, operations.c.downstream_key, wanted):
-        out.setdefault(record.downstream_key, []).append(record)
+    wanted = [v for v in values if v]
+    for record in _operations(store, provider, column, wanted):
+        out.setdefault(str(getattr(record, column.name)), []).append(record)
     return out
 
 

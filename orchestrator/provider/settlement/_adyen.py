@@ -19,7 +19,6 @@ from datetime import timezone
 
 from iso4217 import Currency
 
-from ...errors import SettlementReportInvalid
 from ._rows import Entry, ParsedReport, SettlementRow
 from ._table import MAX_ACCOUNT, MAX_REFERENCE, Cells, Table, fixed_zone
 
@@ -157,19 +156,11 @@ def parse_adyen(table: Table) -> ParsedReport:
     table.require(REQUIRED, "an Adyen Settlement details report")
     occurrence: Counter[str] = Counter()
     rows = tuple(_row(cells, occurrence) for cells in table.cells())
-    accounts = {r.account for r in rows if r.account is not None}
-    if len(accounts) > 1:
-        raise SettlementReportInvalid(
-            f"rows of several merchant accounts ({', '.join(sorted(accounts))}): import one "
-            "merchant account's report at a time",
-            file=table.name,
-            column="Merchant Account",
-        )
     return ParsedReport(
         name=table.name,
         digest=table.digest,
         format=FORMAT,
         kind="settlement_details",
-        account=next(iter(accounts), None),
+        account=table.one_account((r.account for r in rows), "Merchant Account"),
         rows=rows,
     )

@@ -158,23 +158,11 @@ def parse_stripe(table: Table) -> ParsedReport:
             )
         seen[row.key] = row.line
         rows.append(row)
-    accounts = {r.account for r in rows if r.account is not None}
     return ParsedReport(
         name=table.name,
         digest=table.digest,
         format=FORMAT,
         kind=_kind(table),
-        account=_single(table, accounts, "connected_account"),
+        account=table.one_account((r.account for r in rows), "connected_account"),
         rows=tuple(rows),
     )
-
-
-def _single(table: Table, accounts: set[str], column: str) -> str | None:
-    if len(accounts) > 1:
-        raise SettlementReportInvalid(
-            f"rows of several accounts ({', '.join(sorted(accounts))}): import one account's "
-            "report at a time",
-            file=table.name,
-            column=column,
-        )
-    return next(iter(accounts), None)

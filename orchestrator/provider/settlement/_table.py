@@ -13,7 +13,7 @@ import csv
 import hashlib
 import io
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal, InvalidOperation
@@ -49,6 +49,18 @@ class Table:
                 file=self.name,
                 row=1,
             )
+
+    def one_account(self, accounts: Iterable[str | None], column: str) -> str | None:
+        """The one account the rows name (None: they name none); several refuse the file."""
+        named = {a for a in accounts if a is not None}
+        if len(named) > 1:
+            raise SettlementReportInvalid(
+                f"rows of several accounts ({', '.join(sorted(named))}): import one account's "
+                "report at a time",
+                file=self.name,
+                column=column,
+            )
+        return next(iter(named), None)
 
     def cells(self) -> Iterator[Cells]:
         for line, values in self.rows:

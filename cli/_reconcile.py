@@ -13,11 +13,12 @@ from . import _render as render
 from ._runtime import DatabaseUrl, JsonFlag, err, open_store, out, reconciler, relay, settings
 
 if TYPE_CHECKING:
+    from ..reconciling._fallback_watch import FallbackWatch
     from ..reconciling._reconciler import Reconciler, ReconcileReport
     from ..reconciling._watch import UnexplainedWatch
     from ..settings import Settings
 
-__all__ = ["reconcile_app", "unexplained_watch"]
+__all__ = ["fallback_watch", "reconcile_app", "unexplained_watch"]
 
 reconcile_app = typer.Typer(
     help="The reconciler: drive unknown operations to the truth.", no_args_is_help=True
@@ -141,6 +142,7 @@ def run_cmd(
         relay(store, config, required=False) as relaying,  # with PAYORCH_OUTBOX_SINKS set
     ):
         watch = unexplained_watch(rec, config)  # refused, if it is, before starting
+        fallbacks = fallback_watch(rec, config)
         daemon = ReconcilerDaemon(
             rec,
             interval=timedelta(seconds=seconds),
@@ -149,6 +151,7 @@ def run_cmd(
             unexplained=watch,
             relay=relaying,
             relay_interval=timedelta(seconds=config.outbox_interval_seconds),
+            fallbacks=fallbacks,
         )
 
         def serving() -> None:
@@ -161,6 +164,17 @@ def run_cmd(
 
         total = daemon.run(on_start=serving)
     out().print(Text(f"stopped after {daemon.passes} passes; {_summary(total)}"))
+
+
+def fallback_watch(rec: Reconciler, config: Settings) -> FallbackWatch | None:
+    """The daemon's look at the providers routed operations moved away from, every
+    PAYORCH_FALLBACK_WATCH_SECONDS (0: never)."""
+    if config.fallback_watch_seconds <= 0:
+        return None
+    from ..reconciling._fallback_watch import FallbackWatch
+
+    every = timedelta(seconds=config.fallback_watch_seconds)
+    return FallbackWatch(store=rec.store, crossings=rec.crossings, every=every)
 
 
 def unexplained_watch(rec: Reconciler, config: Settings) -> UnexplainedWatch | None:

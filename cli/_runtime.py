@@ -21,6 +21,7 @@ from ..errors import ConfigurationError, DatabaseUnavailable
 if TYPE_CHECKING:
     from ..outbox import Relay
     from ..provider import Provider
+    from ..reconciling._crossings import CrossCheck
     from ..reconciling._reconciler import Reconciler
     from ..settings import ProviderSettings, Settings
     from ..storage._store import Store
@@ -359,12 +360,30 @@ def reconciler(
     )
     providers = build_providers()
     try:
-        yield Reconciler(store=store, providers=providers, policy=policy, owner=owner)
+        rec = Reconciler(store=store, providers=providers, policy=policy, owner=owner)
+        rec.crossings = crossings(store, providers, rec.owner, config)
+        yield rec
     finally:
         for provider in providers:
             close = getattr(provider, "close", None)
             if callable(close):
                 close()
+
+
+def crossings(store: Store, providers: list[Provider], owner: str, config: Settings) -> CrossCheck:
+    """The check of routed operations' earlier providers, with the policy the settings name
+    (PAYORCH_ROUTE_DUPLICATES) and an executor for the refunds that policy may run."""
+    from ..execution._executor import Executor
+    from ..reconciling._crossings import CrossCheck, DuplicatePolicy
+
+    refunds = Executor(store=store, providers=providers, owner=owner) if providers else None
+    return CrossCheck(
+        store=store,
+        providers={p.name: p for p in providers},
+        owner=owner,
+        policy=DuplicatePolicy(config.route_duplicates),
+        refunds=refunds,
+    )
 
 
 @contextmanager

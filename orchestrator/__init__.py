@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         InvalidRequest,
         InvalidTenant,
         InvalidTransition,
+        NoRoute,
         OperationInProgress,
         OperationNotFound,
         OutcomeNotRecorded,
@@ -67,7 +68,9 @@ if TYPE_CHECKING:
         WebhookEvent,
     )
     from .reconciling._async import AsyncReconciler, AsyncWebhookHandler
+    from .reconciling._crossings import CrossCheck, DuplicatePolicy
     from .reconciling._daemon import ReconcilerDaemon
+    from .reconciling._fallback_watch import FallbackWatch
     from .reconciling._reconciler import Reconciler, ReconcileReport, ReconcilerPolicy
     from .reconciling._webhooks import WebhookHandler
     from .records import ClaimResult, EventRecord, NewOperation, OperationRecord
@@ -87,10 +90,13 @@ _EXPORTS: dict[str, str] = {
     "CommitUncertain": "errors",
     "ConfigurationError": "errors",
     "CorruptRecord": "errors",
+    "CrossCheck": "reconciling._crossings",
     "DatabaseReadOnly": "errors",
     "DatabaseUnavailable": "errors",
+    "DuplicatePolicy": "reconciling._crossings",
     "EventRecord": "records",
     "Executor": "execution._executor",
+    "FallbackWatch": "reconciling._fallback_watch",
     "HttpAnswer": "http",
     "IdempotencyError": "errors",
     "IdempotencyKeyExpired": "errors",
@@ -101,6 +107,7 @@ _EXPORTS: dict[str, str] = {
     "InvalidTenant": "errors",
     "InvalidTransition": "errors",
     "NewOperation": "records",
+    "NoRoute": "errors",
     "OperationInProgress": "errors",
     "OperationNotFound": "errors",
     "OperationRecord": "records",
@@ -159,10 +166,13 @@ __all__ = [
     "CommitUncertain",
     "ConfigurationError",
     "CorruptRecord",
+    "CrossCheck",
     "DatabaseReadOnly",
     "DatabaseUnavailable",
+    "DuplicatePolicy",
     "EventRecord",
     "Executor",
+    "FallbackWatch",
     "HttpAnswer",
     "IdempotencyError",
     "IdempotencyKeyExpired",
@@ -173,6 +183,7 @@ __all__ = [
     "InvalidTenant",
     "InvalidTransition",
     "NewOperation",
+    "NoRoute",
     "OperationInProgress",
     "OperationNotFound",
     "OperationRecord",

@@ -35,6 +35,7 @@ __all__ = [
     "MAX_KEY_LENGTH",
     "TERMINAL_STATES",
     "State",
+    "attempt_ref",
     "backoff_delay",
     "canonical_digest",
     "canonical_idempotency_key",
@@ -388,6 +389,14 @@ def downstream_key(ref: str, step: str = "submit") -> str:
     if not _STEP_RE.fullmatch(step):
         raise ValueError(f"step {step!r} must be 1-20 lower-case letters")
     return f"{_DOWNSTREAM_PREFIX}:{ref}:{step}"
+
+
+def attempt_ref(ref: str, provider: str) -> str:
+    """A routed operation's ref at one provider: 32 hex digits of SHA-256 of the namespace's
+    ref and the provider's name, so each provider's attempt has its own downstream key
+    (two accounts at one acquirer share a key space), as stable as the ref itself."""
+    joined = f"{ref}\x00{provider}".encode()
+    return hashlib.sha256(b"payorch-attempt\x00" + joined).hexdigest()[:_REF_LENGTH]
 
 
 def is_namespace_key(key: str) -> bool:

@@ -27,6 +27,8 @@ and may have reached the provider. No error ever invites a new key.
     │   ├── SettlementReportInvalid         400  a settlement file that cannot be read (names
     │   │                                        its file, row, column); nothing imported
     │   ├── SettlementAccountMismatch       400  a settlement file of another merchant account
+    │   ├── NoRoute                         422  no routing rule matches the request (names
+    │   │                                        the operation type); nothing stored
     │   └── InvalidMessage                  400  an outbox or consumer message that cannot
     │                                            be stored (no id, not JSON, too long)
     ├── IdempotencyError
@@ -91,6 +93,7 @@ __all__ = [
     "InvalidTransition",
     "ListingUnsupported",
     "MessageNotFound",
+    "NoRoute",
     "OperationInProgress",
     "OperationNotFound",
     "OutcomeNotRecorded",
@@ -440,6 +443,19 @@ class SettlementAccountMismatch(InvalidRequest):
     refused, nothing imported."""
 
     problem_type = "urn:payorch:problem:settlement-account-mismatch"
+
+
+class NoRoute(InvalidRequest):
+    """No routing rule of the operation type matches the request's fields (currency,
+    amount, tenant, the fields a rule names): nothing was stored, nothing sent. The request
+    needs fixing, or the routing table a rule."""
+
+    http_status = 422
+    problem_type = "urn:payorch:problem:no-route"
+
+    def __init__(self, message: str, *, operation: str) -> None:
+        super().__init__(message)
+        self.operation = operation
 
 
 class ProviderListingFailed(ProviderError):

@@ -363,6 +363,8 @@ def _outcome_answer(result: Outcome, success_status: int, location: str | None) 
         "state": result.state.value,
         **{k: v for k, v in (result.response or {}).items() if k != "http_status"},
     }
+    if result.routed:
+        body["provider"] = result.provider  # the one answer names the provider it came from
     status = result.http_status
     if result.state is State.SUCCEEDED and status == 200:
         status = success_status  # a replay answers as the first time did

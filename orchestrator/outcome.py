@@ -55,6 +55,10 @@ class Outcome:
     error_code: str | None
     response: Mapping[str, Any] | None
     needs_attention: bool
+    # The provider the operation stands with: for a routed one, the provider that settled
+    # it (or holds its current attempt); ``routed``: whether payorch.routing chose it.
+    provider: str = ""
+    routed: bool = False
 
     @classmethod
     def from_record(cls, record: OperationRecord, *, replayed: bool) -> Outcome:
@@ -72,6 +76,8 @@ class Outcome:
             error_code=record.error_code,
             response=record.response,
             needs_attention=record.needs_attention,
+            provider=record.provider,
+            routed=record.route is not None,
         )
 
     @property

@@ -57,6 +57,14 @@ class Settings(BaseSettings):
     unexplained_window_seconds: float = Field(default=24 * 3600.0, gt=0, le=366 * 86400.0)
     unexplained_providers: str = ""
     unexplained_adopt: bool = False
+    # Routing (payorch.routing): the routing table an app's integration loads (a TOML or
+    # JSON file; unset: nothing routed), what the reconciler does about an effect found at
+    # two providers for one namespace ("reverse": void, else refund, the later one;
+    # "operator": flag only), and how often the daemon asks the providers routed
+    # operations moved away from (0: never).
+    routing: str | None = None
+    route_duplicates: Literal["reverse", "operator"] = "reverse"
+    fallback_watch_seconds: float = Field(default=60.0, ge=0, allow_inf_nan=False)
     # The outbox (payorch.outbox): the hooks every process that settles operations loads,
     # and the sinks the daemon's relay delivers to, each a module:attribute import path.
     outbox_hooks: str | None = Field(default=None, pattern=r"^[\w.]+:[\w.]+$")

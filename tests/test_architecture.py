@@ -47,12 +47,16 @@ OVER = FACES | {"migrate"}
 ALLOWED: dict[str, frozenset[str]] = {
     "base": frozenset(),
     "observing": frozenset({"base"}),
+    # Routing across providers: rules, health and the route record, pure over the base.
+    "routing": frozenset({"base"}),
     "storage": frozenset({"base", "observing"}),
-    "execution": frozenset({"base", "observing", "storage"}),
-    "reconciling": frozenset({"base", "observing", "storage", "execution"}),
-    "integrations": frozenset({"base", "observing", "storage", "execution", "reconciling"}),
+    "execution": frozenset({"base", "observing", "routing", "storage"}),
+    "reconciling": frozenset({"base", "observing", "routing", "storage", "execution"}),
+    "integrations": frozenset(
+        {"base", "observing", "routing", "storage", "execution", "reconciling"}
+    ),
     "providers": frozenset({"base", "observing"}),
-    "over": frozenset({"base", "observing", "storage", "execution", "reconciling"}),
+    "over": frozenset({"base", "observing", "routing", "storage", "execution", "reconciling"}),
     "migrations": frozenset({"base", "observing", "storage", "over"}),
     # After the payment: the outbox and its relay, and effects done once, over the store.
     "outbox": frozenset({"base", "observing", "storage"}),
@@ -60,7 +64,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     # Settlement reports as evidence: stored, then judged as the reconciler judges evidence.
     "recon": frozenset({"base", "observing", "storage", "execution", "reconciling"}),
     # The adapter kit drives an adapter through a real store, executor and webhook handler.
-    "testing": frozenset({"base", "observing", "storage", "execution", "reconciling", "over"}),
+    "testing": frozenset(
+        {"base", "observing", "routing", "storage", "execution", "reconciling", "over"}
+    ),
     # A provider's emulator (payorch.providers.<name>.emulator): its adapter, for the kit.
     "emulators": frozenset({"base", "observing", "providers", "testing"}),
     "cli": frozenset(
@@ -77,6 +83,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "outbox",
             "once",
             "recon",
+            "routing",
         }
     ),
 }
@@ -235,7 +242,16 @@ def layer(name: str) -> str:
         return "root"
     if parts[1] == "providers" and parts[-1] == "emulator":
         return "emulators"
-    if parts[1] in ("cli", "providers", "migrations", "testing", "outbox", "once", "recon"):
+    if parts[1] in (
+        "cli",
+        "providers",
+        "migrations",
+        "testing",
+        "outbox",
+        "once",
+        "recon",
+        "routing",
+    ):
         return parts[1]
     if parts[1] in WINGS:
         return parts[1]

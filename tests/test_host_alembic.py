@@ -92,8 +92,8 @@ def test_payorch_upgrade_beside_the_hosts_own_migrations(empty_url: str) -> None
     migrate.upgrade(empty_url)
     names, versions = tables_and_versions(empty_url)
     assert {"host_orders", "payorch_operations", "payorch_events"} <= names
-    assert versions == {"alembic_version": {"0001"}, migrate.VERSION_TABLE: {"payorch_0006"}}
-    assert migrate.current_revision(empty_url) == migrate.head_revision() == "payorch_0006"
+    assert versions == {"alembic_version": {"0001"}, migrate.VERSION_TABLE: {"payorch_0007"}}
+    assert migrate.current_revision(empty_url) == migrate.head_revision() == "payorch_0007"
     # Each side upgrades again as a no-op, in either order.
     migrate.upgrade(empty_url)
     command.upgrade(host_config(empty_url, include_payorch=False), "head")
@@ -106,7 +106,7 @@ def test_payorch_first_then_the_host(empty_url: str) -> None:
     command.upgrade(host_config(empty_url, include_payorch=False), "head")
     names, versions = tables_and_versions(empty_url)
     assert "host_orders" in names
-    assert versions == {"alembic_version": {"0001"}, migrate.VERSION_TABLE: {"payorch_0006"}}
+    assert versions == {"alembic_version": {"0001"}, migrate.VERSION_TABLE: {"payorch_0007"}}
 
 
 def test_host_upgrade_heads_includes_payorchs_branch(empty_url: str) -> None:
@@ -114,7 +114,7 @@ def test_host_upgrade_heads_includes_payorchs_branch(empty_url: str) -> None:
     command.upgrade(cfg, "heads")
     names, versions = tables_and_versions(empty_url)
     assert {"host_orders", "payorch_operations"} <= names
-    assert versions == {"alembic_version": {"0001", "payorch_0006"}}
+    assert versions == {"alembic_version": {"0001", "payorch_0007"}}
     works(empty_url)
     # The branch label addresses payorch's line alone.
     command.downgrade(cfg, "payorch@base")
@@ -184,7 +184,7 @@ def test_a_hosts_alembic_version_is_left_alone(empty_url: str) -> None:
     command.upgrade(host_config(empty_url, include_payorch=False), "head")
     result = CliRunner().invoke(app, ["db", "upgrade", "--database-url", empty_url])
     assert result.exit_code == 0, result.output
-    assert "payorch_0006" in result.output
+    assert "payorch_0007" in result.output
     assert tables_and_versions(empty_url)[1]["alembic_version"] == {"0001"}
 
 
@@ -211,7 +211,7 @@ def test_a_postgresql_schema_keeps_payorchs_tables_apart(
             )
     finally:
         engine.dispose()
-    assert migrate.current_revision(url) == "payorch_0006"
+    assert migrate.current_revision(url) == "payorch_0007"
     works(url)
 
 

@@ -225,6 +225,7 @@ SPECIAL: dict[str, dict[str, Any]] = {
     "EffectFailed": {"effect_id": "eff", "error_type": "Refused", "error_message": "no"},
     "EffectOutcomeUnknown": {"effect_id": "eff"},
     "SettlementReportInvalid": {"file": "day-1.csv", "row": 2, "column": "gross"},
+    "NoRoute": {"operation": "payment.create"},
 }
 
 

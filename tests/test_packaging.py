@@ -89,7 +89,7 @@ def test_db_upgrade_demo_and_import_from_the_wheel(installed: Path, tmp_path: Pa
     env = clean_env()
     url = f"sqlite:///{tmp_path / 'app.db'}"
     out = run([str(bindir / "payorch"), "db", "upgrade", "--database-url", url], tmp_path, env)
-    assert "payorch_0006" in out
+    assert "payorch_0007" in out
     out = run([str(bindir / "payorch"), "db", "current", "--database-url", url], tmp_path, env)
     assert "up to date" in out
     out = run([str(bindir / "payorch"), "demo", "--payments", "50"], tmp_path, env)

@@ -121,3 +121,53 @@ def run_until_killed(url: str, sandbox_url: str, key: str, point: str = "after_c
     proc.start()
     proc.join(timeout=60)
     assert proc.exitcode == -signal.SIGKILL, f"the worker ended with {proc.exitcode}"
+
+
+def route_then_die(url: str, down_url: str, live_url: str, key: str) -> None:
+    """A routed execute() whose first provider refuses the connection: the move to the
+    second is recorded, then this process is SIGKILLed as that provider is called, before a
+    byte reaches it."""
+    import os
+    import signal
+
+    from payorch.execution._executor import Executor
+    from payorch.operations import default_registry
+    from payorch.provider import Answer, SubmitRequest
+    from payorch.providers.sandbox import SandboxProvider
+    from payorch.routing import Router, Rule
+
+    class Dies(SandboxProvider):
+        def submit(self, request: SubmitRequest) -> Answer:
+            os.kill(os.getpid(), signal.SIGKILL)
+            raise AssertionError("unreachable")
+
+    store = Store.from_url(url)
+    ex = Executor(
+        store=store,
+        providers=[
+            SandboxProvider(base_url=down_url, name="acquirer_a"),
+            Dies(base_url=live_url, name="acquirer_b"),
+        ],
+        registry=default_registry("acquirer_a"),
+        lease=timedelta(seconds=120),
+        router=Router([Rule(operation="payment.create", providers=["acquirer_a", "acquirer_b"])]),
+    )
+    ex.execute(
+        tenant_id="shop",
+        operation="payment.create",
+        idempotency_key=key,
+        request={"amount": 1250, "currency": "EUR", "customer": "cus_7"},
+    )
+
+
+def run_routed_until_killed(url: str, down_url: str, live_url: str, key: str) -> None:
+    """:func:`route_then_die` in a fresh process; checks that SIGKILL ended it."""
+    import multiprocessing
+    import signal
+
+    proc = multiprocessing.get_context("spawn").Process(
+        target=route_then_die, args=(url, down_url, live_url, key)
+    )
+    proc.start()
+    proc.join(timeout=60)
+    assert proc.exitcode == -signal.SIGKILL, f"the worker ended with {proc.exitcode}"

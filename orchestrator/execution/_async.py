@@ -42,6 +42,7 @@ from ..provider import (
     capabilities_of,
     parse_deliveries,
 )
+from ..routing import Router
 from ..storage._async_store import AsyncStore
 from ..storage._bridge import run_bridged, wait_for
 from ._executor import Executor, RetryPolicy
@@ -125,6 +126,7 @@ class AsyncExecutor:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rand: Callable[[], float] = random.random,
         key_scope: str | None = None,
+        router: Router | None = None,
     ) -> None:
         self.store = store
         adapters = list(providers)
@@ -136,6 +138,7 @@ class AsyncExecutor:
             retry=retry,
             owner=owner,
             key_scope=key_scope,
+            router=router,
             sleep=lambda seconds: wait_for(sleep(seconds)),
             rand=rand,
         )

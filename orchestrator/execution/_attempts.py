@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core import State, backoff_delay
 from ..errors import (
@@ -21,6 +21,7 @@ from ..errors import (
 )
 from ..observing import _logs as logs
 from ..observing import _metrics as metrics
+from ..observing import _routing as routing_metrics
 from ..observing import _tracing as tracing
 from ..operations import Prepared
 from ..outcome import decide, late_conflict
@@ -28,6 +29,10 @@ from ..provider import Answer, AnswerKind, Provider, SubmitRequest, WireRequest
 from ..records import OperationRecord, Redactor
 from ..storage._bridge import pause
 from ..storage._store import Store
+
+if TYPE_CHECKING:
+    from ..routing import Router
+    from ._routes import Fallback
 
 __all__ = ["RetryPolicy", "kept_for", "submit_and_record", "wire_of"]
 
@@ -141,6 +146,8 @@ def submit_and_record(
     not_sent_is_final: bool = True,
     redactor: Redactor | None = None,
     wire: WireRequest | None = None,
+    router: Router | None = None,
+    fallback: Fallback | None = None,
 ) -> OperationRecord:
     """Submit ``record`` (lease held by ``owner``, attempt marked possibly sent) and record
     the classified answer. Shared by the executor and the reconciler's re-submission.
@@ -159,6 +166,12 @@ def submit_and_record(
     ``record.request`` and ``payload`` (:meth:`Redactor.of <payorch.records.Redactor.of>`).
     ``wire``: the request the claim kept (a ``WireRequest``), which every send hands the
     adapter to send as it is (``SubmitRequest.wire``).
+
+    A routed operation: every answer tells ``router`` how the provider fares (its health),
+    and ``fallback`` (:mod:`payorch.execution._routes`), when given, is where it moves once
+    an answer proves the attempt did not execute (not sent, a decline the router lists):
+    the move (provider, downstream key, route; the next attempt possibly sent, the lease
+    renewed) is recorded, and the record returned names the next provider.
     """
     request = SubmitRequest(
         tenant_id=record.tenant_id,
@@ -184,13 +197,16 @@ def submit_and_record(
         logs.answered(request, attempt, answer)
         answer = redactor.answer(answer)
         calls.answered("submit", answer.kind, time.monotonic() - started)
+        if router is not None:
+            router.health.observe(adapter.name, answer.kind)
         detail = {
             "attempt": attempt,
             "duration_ms": round((time.monotonic() - started) * 1000, 1),
             "downstream_key": record.downstream_key,
             **answer.evidence(),
         }
-        retryable = answer.kind is AnswerKind.NOT_SENT and not attention
+        # A routed operation with somewhere to go moves on at once instead.
+        retryable = answer.kind is AnswerKind.NOT_SENT and not attention and fallback is None
         too_long = (answer.retry_after or 0) > retry.max_delay
         if retryable and attempt < retry.max_attempts and not too_long:
             delay = backoff_delay(
@@ -221,6 +237,19 @@ def submit_and_record(
             sleep(delay)
             attempt += 1
             continue
+        proof = fallback.proof(answer) if fallback is not None else None
+        if fallback is not None and proof is not None:
+            return _fall_back(
+                store,
+                record,
+                owner=owner,
+                lease=lease,
+                provider=adapter.name,
+                fallback=fallback,
+                proof=proof,
+                answer=answer,
+                detail={**detail, "attention": attention},
+            )
         decision = decide(
             answer,
             first_check=retry.first_check,
@@ -255,6 +284,57 @@ def submit_and_record(
         if attention and not record.needs_attention:
             metrics.escalated("adapter")  # the adapter could not be trusted: flagged
         return done
+
+
+def _fall_back(
+    store: Store,
+    record: OperationRecord,
+    *,
+    owner: str,
+    lease: timedelta,
+    provider: str,
+    fallback: Fallback,
+    proof: Any,
+    answer: Answer,
+    detail: dict[str, Any],
+) -> OperationRecord:
+    """Record the move to ``fallback.to``: the proof and the answer that gave it, the next
+    provider's downstream key and the request it will be sent (as the claim keeps one),
+    the next attempt possibly sent, the lease renewed, in one fenced write."""
+    attention = bool(detail.pop("attention", False))
+    detail.update(
+        proof=proof.value, from_provider=provider, to_provider=fallback.to, to_key=fallback.key
+    )
+    wire = fallback.wire() if fallback.wire is not None else None
+    if wire is not None:
+        detail["wire"] = dict(wire)
+    values: dict[str, Any] = {}
+    if attention and not record.needs_attention:
+        values["needs_attention"] = True  # the adapter refused it unsent: someone should know
+    try:
+        moved = _record(
+            store,
+            record,
+            State.IN_PROGRESS,
+            kind="fallback",
+            actor=owner,
+            detail=detail,
+            lease=lease,
+            lease_owner=owner,
+            possibly_sent=True,
+            attempts_delta=1,
+            provider=fallback.to,
+            downstream_key=fallback.key,
+            route=fallback.moved_route(proof, answer.code),
+            **values,
+        )
+    except StaleVersion:
+        detail.pop("wire", None)
+        return _late(store, record, owner, detail, answer)
+    routing_metrics.fell_back(provider, fallback.to, proof.value)
+    if values:
+        metrics.escalated("adapter")
+    return moved
 
 
 def _record(store: Store, record: OperationRecord, state: State, **values: Any) -> OperationRecord:

@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ..core import max_backoff_total, validate_key_scope
+from ..core import State, max_backoff_total, validate_key_scope
 from ..errors import (
     ConfigurationError,
     IdempotencyKeyExpired,
@@ -32,15 +32,18 @@ from ..errors import (
 from ..forks import reset_in_child
 from ..observing import _logs as logs
 from ..observing import _metrics as metrics
+from ..observing import _routing as routing_metrics
 from ..observing import _tracing as tracing
 from ..operations import Prepared, Registry, default_registry
 from ..outcome import Outcome
-from ..provider import Provider
+from ..provider import Provider, WireRequest
 from ..records import OperationRecord
+from ..routing import Router
 from ..storage._bridge import bridged
 from ..storage._store import Store
 from ._attempts import RetryPolicy, kept_for, submit_and_record, wire_of
 from ._flights import Flight, Flights
+from ._routes import fallback_for, routed
 
 __all__ = [
     "Executor",
@@ -95,6 +98,7 @@ class Executor:
         sleep: Callable[[float], None] = time.sleep,
         rand: Callable[[], float] = random.random,
         key_scope: str | None = None,
+        router: Router | None = None,
     ) -> None:
         self.store = store
         # None: the environment's (PAYORCH_KEY_SCOPE), so the CLI, the integrations and the
@@ -108,6 +112,11 @@ class Executor:
                 raise ConfigurationError(f"two providers named {p.name!r}")
             self.providers[p.name] = p
         self.registry = registry or default_registry()
+        # Routing (payorch.routing): a rule naming a provider not given here, or a split
+        # that cannot be, refuses start-up.
+        if router is not None:
+            router.check(self.providers)
+        self.router = router
         self.retry = retry or RetryPolicy()
         if lease is None:
             # The adapters' worst case: one execute() with every inline retry, on the
@@ -179,7 +188,11 @@ class Executor:
             provider=provider,
             key_scope=self.key_scope,
         )
-        if provider:  # as prepare() reads it: an empty name means the type's default
+        if not provider and self.router is not None and self.router.routes(operation):
+            # Chosen before anything is stored; a request no rule matches stores nothing.
+            prepared = routed(prepared, self.router, self.key_scope)
+            adapter = self.providers[prepared.new.provider]
+        elif provider:  # as prepare() reads it: an empty name means the type's default
             adapter = self.provider(provider)
         elif prepared.new.provider in self.providers:
             adapter = self.providers[prepared.new.provider]
@@ -266,23 +279,7 @@ class Executor:
             return claim.operation, claim.replayed
         op_id = claim.operation.id
         try:
-            record = submit_and_record(
-                self.store,
-                adapter,
-                claim.operation,
-                prepared.payload,
-                owner=self.owner,
-                lease=self.lease,
-                retry=self.retry,
-                sleep=self._sleep,
-                rand=self._rand,
-                # Nothing hidden in the stored copy: nothing for Redactor.of to find there
-                # (its walk skipped); otherwise (None) it is derived as ever.
-                redactor=prepared.redactor,
-                # The bytes the claim kept are the bytes sent, whatever submit would build;
-                # a take-over of an operation first claimed under another key sends afresh.
-                wire=wire if kept_for(wire, claim.operation) else None,
-            )
+            record = self._submit(prepared, adapter, claim.operation, wire)
         except OutcomeNotRecorded as exc:
             exc.operation_id = exc.operation_id or op_id
             raise
@@ -300,6 +297,66 @@ class Executor:
             raise _not_sent(record)
         seen.finished("fresh", started, record.state)
         return record, False
+
+    def _submit(
+        self,
+        prepared: Prepared,
+        adapter: Provider,
+        record: OperationRecord,
+        wire: WireRequest | None,
+    ) -> OperationRecord:
+        """Send the claimed ``record`` and record its answer; a routed one moves on to its
+        next provider as long as each attempt is proven not to have executed."""
+        visited: set[str] = set()
+        if record.route is not None and record.provider in self.providers:
+            adapter = self.providers[record.provider]  # a take-over resumes where it stood
+        while True:
+            visited.add(adapter.name)
+            fallback = fallback_for(record, self.router, visited, self.providers)
+            if fallback is not None:
+                build = functools.partial(self._wire, prepared, fallback.to)
+                fallback = replace(fallback, wire=build)
+            if record.route is not None:
+                routing_metrics.attempted(adapter.name)
+            record = submit_and_record(
+                self.store,
+                adapter,
+                record,
+                prepared.payload,
+                owner=self.owner,
+                lease=self.lease,
+                retry=self.retry,
+                sleep=self._sleep,
+                rand=self._rand,
+                # Nothing hidden in the stored copy: nothing for Redactor.of to find there
+                # (its walk skipped); otherwise (None) it is derived as ever.
+                redactor=prepared.redactor,
+                # The bytes the claim kept are the bytes sent, whatever submit would build;
+                # a take-over of an operation first claimed under another key sends afresh.
+                wire=wire if kept_for(wire, record) else None,
+                router=self.router if record.route is not None else None,
+                fallback=fallback,
+            )
+            moved = (
+                fallback is not None
+                and record.provider == fallback.to
+                and record.state is State.IN_PROGRESS
+                and record.lease_owner == self.owner
+            )
+            if not moved:
+                return record
+            adapter = self.providers[record.provider]
+            wire = wire_of(_at(prepared, record.provider), adapter)
+
+    def _wire(self, prepared: Prepared, provider: str) -> Mapping[str, Any] | None:
+        """What ``provider`` will be sent for ``prepared`` (kept with the move to it)."""
+        built = wire_of(_at(prepared, provider), self.providers[provider])
+        return built.stored() if built is not None else None
+
+
+def _at(prepared: Prepared, provider: str) -> Prepared:
+    """``prepared`` as sent to ``provider`` (its own downstream key)."""
+    return replace(prepared, new=replace(prepared.new, provider=provider))
 
 
 def _not_sent(record: OperationRecord) -> ProviderUnavailable:

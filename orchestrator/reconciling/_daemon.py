@@ -54,6 +54,7 @@ from ._reconciler import Reconciler, ReconcileReport
 
 if TYPE_CHECKING:
     from ..storage._store import Store
+    from ._fallback_watch import FallbackWatch
     from ._watch import UnexplainedWatch
 
 __all__ = ["Drains", "MonitorServer", "ReconcilerDaemon", "parse_address"]
@@ -81,6 +82,7 @@ class ReconcilerDaemon:
         unexplained: UnexplainedWatch | None = None,
         relay: Drains | None = None,
         relay_interval: timedelta = timedelta(seconds=2),
+        fallbacks: FallbackWatch | None = None,
     ) -> None:
         if interval <= timedelta(0):
             raise ValueError("interval must be positive")
@@ -96,6 +98,10 @@ class ReconcilerDaemon:
             # A sharded reconciler's look judges and adopts only its own tenants' effects.
             unexplained.tenant_ids = reconciler.tenant_ids
         self.relay, self.relay_interval = relay, relay_interval  # the outbox, if configured
+        # The look at the providers routed operations moved away from (payorch.routing).
+        self.fallbacks = fallbacks
+        if fallbacks is not None and fallbacks.tenant_ids is None:
+            fallbacks.tenant_ids = reconciler.tenant_ids
         self.monitor: MonitorServer | None = None
         self.started_at = time.monotonic()
         self.last_pass_at: float | None = None  # monotonic end of the last successful pass
@@ -143,6 +149,13 @@ class ReconcilerDaemon:
             self.unexplained.run()
         except Exception:  # a bad look must not kill the daemon; the next one retries
             log.exception("look for unexplained effects failed")
+
+    def _look_at_fallbacks(self) -> None:
+        assert self.fallbacks is not None
+        try:
+            self.fallbacks.run()
+        except Exception:  # a bad look must not kill the daemon; the next one retries
+            log.exception("look at routed operations' earlier providers failed")
 
     def _relay_outbox(self) -> None:
         assert self.relay is not None
@@ -222,6 +235,13 @@ class ReconcilerDaemon:
                 "interval",
                 seconds=self.unexplained.every.total_seconds(),
                 id="unexplained",
+            )
+        if self.fallbacks is not None:
+            self._scheduler.add_job(
+                self._look_at_fallbacks,
+                "interval",
+                seconds=self.fallbacks.every.total_seconds(),
+                id="fallbacks",
             )
         if self.relay is not None:
             self._scheduler.add_job(

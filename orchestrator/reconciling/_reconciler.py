@@ -35,7 +35,10 @@ from ..provider import (
     capabilities_of,
 )
 from ..records import OperationRecord, Redactor
+from ..routing import Proof, touched
 from ..storage._store import Store
+from ._crossings import CrossCheck
+from ._fallbacks import fall_over, past_window
 from ._policy import DEFAULT_CONCURRENCY, ReconcileReport, ReconcilerPolicy
 from ._resends import resend_if_covered
 from ._voids import VOID_REQUESTED, query_of, run_void, void_due
@@ -69,6 +72,7 @@ class Reconciler:
         submit_retry: RetryPolicy | None = None,
         rand: Callable[[], float] = random.random,
         tenant_ids: Collection[str] | None = None,
+        crossings: CrossCheck | None = None,
     ) -> None:
         self.store = store
         self.providers = {p.name: p for p in providers}
@@ -78,6 +82,11 @@ class Reconciler:
         )
         self.owner = owner or owner_of_this_process(self, "reconciler")
         self.submit_retry = submit_retry or RetryPolicy(max_attempts=1)
+        # A routed operation's earlier providers, asked after each of its checks; without
+        # one given, duplicates found are voided where the provider can, else flagged.
+        self.crossings = crossings or CrossCheck(
+            store=store, providers=self.providers, owner=self.owner
+        )
         self._rand = rand
         # None: every tenant. A set: only those (a daemon per shard, or the demo's own).
         self.tenant_ids = frozenset(tenant_ids) if tenant_ids is not None else None
@@ -233,11 +242,23 @@ class Reconciler:
                 record, now = self.store.renew_lease(
                     record, owner=self.owner, lease=self.policy.lease
                 )
-            return self.check(record, now)
+            result = self.check(record, now)
         except StaleVersion:
             return "lost_race"
         except Exception as exc:  # noqa: BLE001 - one broken operation must not stall the rest
             return self._check_failed(record, now, exc)
+        if len(touched(record.route)) > 1:
+            self.check_crossings(record)
+        return result
+
+    def check_crossings(self, record: OperationRecord) -> list[str]:
+        """Ask every provider a routed operation moved away from (:class:`CrossCheck`), as
+        the operation stands now; a failure is logged, never raised."""
+        try:
+            return self.crossings.check(self.store.get(record.tenant_id, record.id))
+        except Exception as exc:  # noqa: BLE001 - the operation's own check stands
+            logs.reconciler_log.warning("cross-provider check of %s failed: %s", record.id, exc)
+            return ["check_error"]
 
     def _check_failed(self, record: OperationRecord, now: datetime, exc: Exception) -> str:
         """Record the error as an event and look again later, with backoff."""
@@ -397,6 +418,12 @@ class Reconciler:
             detail["decision"] = "not found within the grace period: wait"
             self._reschedule(record, now, kind="status_query", detail=detail)
             return "not_found_waiting"
+        if record.route is not None and past_window(self, record, provider, now):
+            # Routed: nothing under its key past the window, no notification: proven not
+            # executed there, so its next provider may be asked.
+            moved = fall_over(self, record, proof=Proof.NOT_FOUND, detail=detail)
+            if moved is not None:
+                return moved
         return resend_if_covered(
             self,
             record,

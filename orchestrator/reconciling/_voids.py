@@ -24,8 +24,9 @@ from ..observing import _metrics as metrics
 from ..outcome import settled
 from ..provider import Answer, AnswerKind, Provider, Voider, VoidRequest, can_void
 from ..records import OperationRecord, Redactor
-from ..storage._store import Store
-from ._policy import ReconcilerPolicy
+from ..routing import Proof
+from ._fallbacks import Reconciler as Mover
+from ._fallbacks import fall_over
 
 __all__ = [
     "RELEASED",
@@ -43,16 +44,9 @@ __all__ = [
 ]
 
 
-class Reconciler(Protocol):
-    """What a void needs of the reconciler that runs it (``_reconciler.Reconciler``)."""
-
-    store: Store
-    policy: ReconcilerPolicy
-    owner: str
-
-    # Its writes (``Reconciler._write``, ``Reconciler._reschedule``): logged, fenced.
-    @property
-    def _write(self) -> Callable[..., OperationRecord]: ...
+class Reconciler(Mover, Protocol):
+    """What a void needs of the reconciler that runs it (``_reconciler.Reconciler``): what
+    a move needs (a voided routed operation moves on), and its rescheduling write."""
 
     @property
     def _reschedule(self) -> Callable[..., None]: ...
@@ -175,7 +169,8 @@ def run_void(
     detail.pop("possibly_sent", None)
     for _ in range(_MAX_RACES):
         try:
-            return _apply(rec, record, now, answer, dict(detail))
+            # The policy's own void may move a routed operation on; an operator's settles it.
+            return _apply(rec, record, now, answer, dict(detail), may_move=actor == rec.owner)
         except StaleVersion:
             # Written while the void was out (a webhook flagged a race, say): apply the
             # answer to the operation as it stands, while its void is still ours to settle.
@@ -194,9 +189,11 @@ def _apply(
     now: datetime,
     answer: Answer,
     detail: dict[str, Any],
+    *,
+    may_move: bool = False,
 ) -> str:
     if answer.kind is AnswerKind.SUCCEEDED:
-        return _voided(rec, record, answer, detail)
+        return _voided(rec, record, answer, detail, may_move=may_move)
     if answer.kind is AnswerKind.NOT_FOUND:
         # Nothing held under the key, but the key is not blocked (only a provider that says
         # so, answering SUCCEEDED, blocks it): never final, and never voided again by the
@@ -221,9 +218,19 @@ def _apply(
 
 
 def _voided(
-    rec: Reconciler, record: OperationRecord, answer: Answer, detail: dict[str, Any]
+    rec: Reconciler,
+    record: OperationRecord,
+    answer: Answer,
+    detail: dict[str, Any],
+    *,
+    may_move: bool = False,
 ) -> str:
     ref = answer.provider_reference or record.provider_reference
+    if record.route is not None and may_move:
+        # Routed: the provider confirmed nothing stands under the key; its next may be asked.
+        moved = fall_over(rec, record, proof=Proof.VOIDED, detail=detail, code=VOIDED)
+        if moved is not None:
+            return moved
     decision = settled(Answer(kind=AnswerKind.DECLINED, code=VOIDED, provider_reference=ref))
     assert decision is not None
     rec._write(

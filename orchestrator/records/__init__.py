@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from ..core import State, downstream_key, namespace_ref
+from ..core import State, attempt_ref, downstream_key, namespace_ref
 from ..errors import CorruptRecord
 from ._redaction import REDACTED, Redactor
 
@@ -104,6 +104,7 @@ _OPERATION_COLUMNS = {
     "completed_at": "time?",
     "retain_until": "time?",
     "reaped_at": "time?",
+    "route": "object?",
 }
 _EVENT_COLUMNS = {
     "tenant_id": "text",
@@ -195,11 +196,16 @@ class NewOperation:
     # that a re-send is that request; None when the adapter cannot say or the stored
     # request hides a sensitive value.
     wire: Mapping[str, Any] | None = None
+    # A routed operation's route (payorch.routing.Route.stored()); None: not routed.
+    route: Mapping[str, Any] | None = None
 
     @cached_property  # read by the claim and by the adapter's request: hashed once
     def downstream_key(self) -> str:
-        """The provider idempotency key: from the namespace, never from a per-claim id."""
+        """The provider idempotency key: from the namespace, never from a per-claim id; a
+        routed operation's also from its provider (each provider's attempt has its own)."""
         ref = namespace_ref(self.tenant_id, self.operation, self.idempotency_key, self.key_scope)
+        if self.route is not None:  # payorch.routing.attempt_key: its attempt's at provider
+            return downstream_key(attempt_ref(ref, self.provider))
         return downstream_key(ref)
 
 
@@ -234,6 +240,9 @@ class OperationRecord:
     completed_at: datetime | None
     retain_until: datetime | None
     reaped_at: datetime | None
+    # A routed operation's route: its decision and every provider attempt (payorch.routing);
+    # None when it was not routed.
+    route: Mapping[str, Any] | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[Any, Any]) -> OperationRecord:
@@ -296,6 +305,7 @@ class OperationRecord:
             "completed_at": None,
             "retain_until": None,
             "reaped_at": None,
+            "route": dict(new.route) if new.route is not None else None,
         }
         record = object.__new__(cls)
         record.__dict__.update(values)

@@ -99,6 +99,7 @@ def claim(
         "owner": owner,
         "lease_s": lease_s,
         "claim_event": json_param(claim_event(owner, claim_detail(new))),
+        "route": json_param(new.route),
     }
     gate(engine)  # with PAYORCH_REQUIRE_SYNC_STANDBY: no claim without a synchronous standby
     if is_distributed(engine):
@@ -230,7 +231,7 @@ def transition(
     return record.written(written)
 
 
-_JSON = frozenset({"response", "request", "answer_event"})
+_JSON = frozenset({"response", "request", "answer_event", "route"})
 
 
 Unreadable = tuple[CorruptRecord, tuple[str, str, int]]  # the error; tenant, id, version

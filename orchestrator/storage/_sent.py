@@ -17,9 +17,10 @@ if TYPE_CHECKING:
 
 __all__ = ["sent_wire"]
 
-# The events whose detail carries what the next send is: the claim, and the take-over of a
-# released operation (which stores the request it runs with).
-_CLAIM_KINDS = ("claimed", "reclaimed")
+# The events whose detail carries what the next send is: the claim, the take-over of a
+# released operation (which stores the request it runs with), and a routed operation's move
+# to its next provider (the request that provider is sent).
+_CLAIM_KINDS = ("claimed", "reclaimed", "fallback")
 
 
 def sent_wire(engine: Engine, record: OperationRecord) -> WireRequest | None:

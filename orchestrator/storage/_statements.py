@@ -90,6 +90,7 @@ def build_claim(insert: Any) -> Any:
             "attempts",
             "lease_owner",
             "claim_event",
+            "route",
         )
     }
     lease_s = sa.bindparam("c_lease_s", type_=sa.Float)
@@ -287,13 +288,13 @@ _ASYNC_COMMIT = "set_config('synchronous_commit', 'off', true)"
 CLAIM_INSERT = f"""INSERT INTO {_OPS} (tenant_id, id, operation, idempotency_key, fingerprint,
         state, provider, downstream_key, amount, currency, request, retention_seconds,
         possibly_sent, attempts, checks, needs_attention, lease_owner, lease_expires_at,
-        next_check_at, version, created_at, updated_at, claim_event)
+        next_check_at, version, created_at, updated_at, claim_event, route)
     VALUES (%(tenant_id)s, %(id)s, %(operation)s, %(idempotency_key)s, %(fingerprint)s,
         'in_progress', %(provider)s, %(downstream_key)s, %(amount)s::bigint, %(currency)s,
         %(request)s::json, %(retention_seconds)s::integer, %(possibly_sent)s::boolean,
         %(attempts)s::integer, 0, false, %(owner)s, {_now_plus("lease_s")},
         {_now_plus("lease_s")}, 1, statement_timestamp(), statement_timestamp(),
-        %(claim_event)s::json)
+        %(claim_event)s::json, %(route)s::json)
     ON CONFLICT (tenant_id, operation, idempotency_key) DO NOTHING"""  # noqa: S608
 CLAIM_REPLAY = f"""UPDATE {_OPS} SET replays = replays + 1, last_replayed_at = statement_timestamp()
     WHERE {_NAMESPACE} AND fingerprint = %(fingerprint)s AND state IN ({_TERMINAL})
@@ -420,6 +421,7 @@ RETURNING next_check_at, {_COLS}, updated_at"""  # noqa: S608
 _CASTS = {
     "response": "::json",
     "request": "::json",
+    "route": "::json",
     "possibly_sent": "::boolean",
     "needs_attention": "::boolean",
 }

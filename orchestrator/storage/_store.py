@@ -193,7 +193,9 @@ class Store(Reads, Replays, Transitions, WorkQueue, SchemaCheck, Placed):
         is this one (same fingerprint; what is sent now). Another provider is refused: the
         namespace's key may already be known to the first one (a claim lost in a failover),
         and a second acquirer would be a second charge."""
-        if new.provider != record.provider:
+        # A routed operation keeps the route it was stored with: it resumes at its current
+        # provider, whichever the request would be routed to now.
+        if new.provider != record.provider and record.route is None:
             raise IdempotencyKeyReused(
                 f"idempotency key {new.idempotency_key!r} was first used with provider "
                 f"{record.provider!r}, not {new.provider!r}; nothing was executed",
@@ -251,6 +253,7 @@ class Store(Reads, Replays, Transitions, WorkQueue, SchemaCheck, Placed):
             "c_lease_s": lease_s,
             # The claim's event is kept on the row (see _folded.py), not as an event row.
             "c_claim_event": claim_event(owner, claim_detail(new)),
+            "c_route": dict(new.route) if new.route is not None else None,
         }
 
         replay_params = {

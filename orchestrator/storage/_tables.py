@@ -202,6 +202,9 @@ operations = sa.Table(
     # Someone waits on this operation (a duplicate request, on LISTEN): only then does its
     # write out of in_progress send a NOTIFY, which serialises commits server-wide.
     sa.Column("waited", sa.Boolean, nullable=False, server_default=sa.false()),
+    # A routed operation's route (payorch.routing): the decision made before its first call
+    # and every provider attempt; NULL when it was not routed.
+    sa.Column("route", StoredJSON()),
     # Led by id: by-id statements (writes, rereads, ``ops show <id>`` with or without a
     # tenant) can use no other index; tenant_id in it so it shards.
     sa.PrimaryKeyConstraint("id", "tenant_id", name="pk_payorch_operations"),
@@ -294,6 +297,15 @@ events = sa.Table(
     sa.PrimaryKeyConstraint("tenant_id", "id", name="pk_payorch_events"),
     sa.Index("ix_payorch_events_operation", "tenant_id", "operation_id", "id"),
     sa.Index("ix_payorch_events_kind", "tenant_id", "kind", "created_at"),
+    # Routed operations' moves to another provider, by time (payorch.routing): the watch
+    # that asks the providers they moved away from reads only these.
+    sa.Index(
+        "ix_payorch_events_fallback",
+        "created_at",
+        "tenant_id",
+        postgresql_where=sa.text("kind = 'fallback'"),
+        sqlite_where=sa.text("kind = 'fallback'"),
+    ),
 )
 
 webhook_inbox = sa.Table(

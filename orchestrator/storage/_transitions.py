@@ -73,6 +73,9 @@ class Transitions:
         attempts_delta: int = 0,
         checks_delta: int = 0,
         needs_attention: bool = _UNSET,
+        provider: str = _UNSET,
+        downstream_key: str = _UNSET,
+        route: Mapping[str, Any] | None = _UNSET,
         also: Callable[[Connection, OperationRecord], None] | None = None,
         guard: sa.ColumnElement[bool] | None = None,
         first_answer: bool = False,
@@ -83,7 +86,8 @@ class Transitions:
         ``lease`` (re)takes the lease for ``lease_owner``; otherwise the lease is released.
         ``also`` runs in the same transaction (e.g. the webhook inbox row). ``guard`` is an
         extra condition of the UPDATE, judged by the database at write time; when it fails
-        the write is refused like a lost compare-and-set.
+        the write is refused like a lost compare-and-set. ``provider``, ``downstream_key``
+        and ``route``: a routed operation moving to its next provider (payorch.routing).
         """
         check_transition(record.state, to_state)
         plain: dict[str, Any] = {}
@@ -96,6 +100,9 @@ class Transitions:
             ("resolution", resolution),
             ("possibly_sent", possibly_sent),
             ("needs_attention", needs_attention),
+            ("provider", provider),
+            ("downstream_key", downstream_key),
+            ("route", route),
         ):
             if value is not _UNSET:
                 plain[name] = dict(value) if isinstance(value, Mapping) else value

@@ -161,6 +161,21 @@ class Ledger:
             self._finish_locked(entry, outcome)
             return copy.deepcopy(entry.data)
 
+    def overturn(self, effect_id: str) -> dict[str, Any]:
+        """A declined effect approved after all (an issuer's stand-in approval that arrives
+        late): it is succeeded now, and its money moved."""
+        with self._lock:
+            entry = self._entries.get(effect_id)
+            if entry is None:
+                raise KeyError(effect_id)
+            if entry.data["status"] != EffectStatus.DECLINED.value:
+                raise ValueError(f"effect {effect_id} is {entry.data['status']}, not declined")
+            entry.data.pop("failure_code", None)
+            entry.data.pop("decline_code", None)
+            entry.data["status"] = EffectStatus.SUCCEEDED.value
+            self._changed_locked(entry.data)
+            return copy.deepcopy(entry.data)
+
     def void(self, idempotency_key: str) -> tuple[VoidResult, dict[str, Any] | None]:
         """Release the uncaptured authorisation made under ``idempotency_key``.
 

@@ -265,6 +265,10 @@ class SandboxServer:
         """Finish a "processing" effect now, as ``succeeded`` or ``declined``."""
         return self._acquirer.ledger.settle(effect_id, EffectStatus(outcome))
 
+    def overturn(self, effect_id: str) -> dict[str, Any]:
+        """Approve a declined effect after all (a late stand-in approval): succeeded now."""
+        return self._acquirer.ledger.overturn(effect_id)
+
     def ledger(self) -> list[dict[str, Any]]:
         """Every entry, status lag ignored."""
         return self._acquirer.ledger.entries()

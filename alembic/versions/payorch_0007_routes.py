@@ -1,0 +1,45 @@
+"""Routing across providers (payorch.routing): an operation's route, kept on its row.
+
+``route`` holds the decision made before the first call (the rule, the providers in order)
+and every provider attempt (its downstream key, and the proof that let it move on). NULL for
+an operation that was not routed: nullable, so the column is instant on PostgreSQL and a
+process of the previous version keeps working beside it. A partial index finds the moves
+(``fallback`` events) by time, for the watch that asks the providers moved away from.
+
+Revision ID: payorch_0007
+Revises: payorch_0006
+Create Date: 2026-12-03
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "payorch_0007"
+down_revision = "payorch_0006"
+branch_labels = None
+depends_on = None
+
+
+FALLBACKS = "ix_payorch_events_fallback"
+MOVED = "kind = 'fallback'"
+
+
+def upgrade() -> None:
+    op.add_column("payorch_operations", sa.Column("route", sa.JSON))
+    # Only the moves: small, and written only when an operation moves on.
+    op.create_index(
+        FALLBACKS,
+        "payorch_events",
+        ["created_at", "tenant_id"],
+        postgresql_where=sa.text(MOVED),
+        sqlite_where=sa.text(MOVED),
+    )
+
+
+def downgrade() -> None:
+    op.drop_index(FALLBACKS, "payorch_events")
+    # Plain ALTER TABLE on both dialects: a batch rebuild would lose the partial indexes'
+    # predicates.
+    op.execute("ALTER TABLE payorch_operations DROP COLUMN route")

@@ -1,0 +1,282 @@
+"""Routed operations across providers: every provider an operation touched is asked, and an
+effect at two providers for one namespace is found, flagged and (by policy) reversed.
+
+A routed operation moves to its next provider only on proof that the current attempt did not
+execute (``payorch.routing``). Proofs can still be overturned by the world: an issuer's
+stand-in approval after a decline, an effect that surfaces past the provider's window. So each
+earlier attempt is asked again under its own downstream key (:meth:`CrossCheck.check`: by the
+reconciler after each check of a routed operation, and by :class:`FallbackWatch` after the
+operation settled). An effect found there, beside the operation's own, is a cross-provider
+duplicate: the operation is flagged (critical), both effects are recorded in one event, and
+the :class:`DuplicatePolicy` applies to the later one, the effect the client was not answered
+with: ``reverse`` voids it through its provider, or refunds it (a ``refund.create``
+operation of its own, audited), or else leaves it to the operator; ``operator`` leaves it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..core import State
+from ..errors import PayorchError, StaleVersion
+from ..observing import _logs as logs
+from ..observing import _metrics as metrics
+from ..observing import _routing as routing_metrics
+from ..provider import (
+    Answer,
+    AnswerKind,
+    Provider,
+    StatusQuery,
+    Voider,
+    VoidRequest,
+    can_query_status,
+    can_void,
+)
+from ..records import OperationRecord, Redactor
+from ..routing import touched
+from ..storage._store import Store
+from ._voids import query_of
+
+if TYPE_CHECKING:
+    from ..execution._executor import Executor
+
+__all__ = [
+    "CROSS_DUPLICATE",
+    "CROSS_LEFT",
+    "CROSS_REVERSAL",
+    "CrossCheck",
+    "DuplicatePolicy",
+]
+
+CROSS_DUPLICATE = "cross_provider_duplicate"  # the flag: both effects, in one event
+CROSS_REVERSAL = "cross_provider_reversal"  # the later effect voided or refunded
+CROSS_LEFT = "cross_provider_left"  # the policy could not reverse it: the operator decides
+_RACES = 5
+_REVERSIBLE = frozenset({"payment.create"})  # what a refund.create can undo
+
+
+class DuplicatePolicy(enum.StrEnum):
+    """What is done about the later of two effects across providers (docs/routing.md)."""
+
+    REVERSE = "reverse"  # void it through its provider, else refund it; else the operator
+    OPERATOR = "operator"  # flag it and leave it to the operator
+
+
+def refund_key(record: OperationRecord, provider: str) -> str:
+    """The idempotency key of the refund that reverses ``record``'s effect at ``provider``:
+    stable, so a second look never refunds twice."""
+    return f"payorch-duplicate:{record.id}:{provider}"
+
+
+@dataclass(kw_only=True)
+class CrossCheck:
+    """Asks the providers a routed operation moved away from (``providers``: the app's
+    adapters by name) and applies ``policy`` to an effect found there. ``refunds``: the
+    executor that runs a reversing ``refund.create`` where a void cannot be had (None:
+    voids only, the rest to the operator)."""
+
+    store: Store
+    providers: Mapping[str, Provider]
+    owner: str
+    policy: DuplicatePolicy = DuplicatePolicy.REVERSE
+    refunds: Executor | None = None
+
+    def check(self, record: OperationRecord) -> list[str]:
+        """Ask each earlier attempt's provider; one result per attempt asked: ``clear``,
+        ``pending``, ``unchecked`` (no adapter here, or it cannot be asked), or what the
+        duplicate came to (``flagged``, ``voided``, ``refunded``, ``left_to_operator``…)."""
+        current = (record.provider, record.downstream_key)
+        results = []
+        for provider, key in touched(record.route):
+            if (provider, key) == current or not key:
+                continue
+            adapter = self.providers.get(provider)
+            if adapter is None or not can_query_status(adapter):
+                results.append("unchecked")
+                continue
+            # By its own key only: the operation's reference is the current provider's.
+            query = StatusQuery(
+                **{**query_of(record), "downstream_key": key, "provider_reference": None}
+            )
+            try:
+                answer = adapter.query_status(query)
+            except Exception as exc:  # noqa: BLE001 - an adapter's bug is evidence of nothing
+                logs.emit(
+                    logs.reconciler_log,
+                    logging.WARNING,
+                    "route.check_failed",
+                    operation_id=record.id,
+                    provider=provider,
+                    error=f"{type(exc).__name__}: {exc}"[:300],
+                )
+                results.append("unchecked")
+                continue
+            answer = Redactor.of(record.request).answer(answer)
+            if answer.kind is AnswerKind.SUCCEEDED:
+                record, result = self._found(record, provider, key, answer)
+                results.append(result)
+            else:
+                results.append("pending" if answer.kind is AnswerKind.PENDING else "clear")
+        return results
+
+    # -- a duplicate -------------------------------------------------------------------
+
+    def _found(
+        self, record: OperationRecord, provider: str, key: str, answer: Answer
+    ) -> tuple[OperationRecord, str]:
+        reference = answer.provider_reference
+        events = self.store.events(record.tenant_id, record.id)
+        known = any(
+            e.kind == CROSS_DUPLICATE and _late_reference(e.detail) == reference for e in events
+        )
+        if not known:
+            record = self._flag(record, provider, key, answer)
+        if any(
+            e.kind in (CROSS_REVERSAL, CROSS_LEFT)
+            and (e.detail or {}).get("provider_reference") == reference
+            for e in events
+        ):
+            return record, "known"
+        if self.policy is DuplicatePolicy.OPERATOR:
+            return record, "flagged"
+        if not record.terminal:
+            return record, "flagged"  # which effect stands is not known yet: look again
+        return record, self._reverse(record, provider, key, answer)
+
+    def _flag(
+        self, record: OperationRecord, provider: str, key: str, answer: Answer
+    ) -> OperationRecord:
+        detail: dict[str, Any] = {
+            "severity": "critical",
+            "policy": self.policy.value,
+            "effects": [
+                {
+                    "provider": record.provider,
+                    "downstream_key": record.downstream_key,
+                    "provider_reference": record.provider_reference,
+                    "state": record.state.value,
+                    "answered": True,
+                },
+                {
+                    "provider": provider,
+                    "downstream_key": key,
+                    "provider_reference": answer.provider_reference,
+                    "state": "succeeded",
+                    "answered": False,
+                    "evidence": answer.evidence(),
+                },
+            ],
+        }
+        for _ in range(_RACES):
+            try:
+                flagged = self.store.flag_attention(
+                    record, kind=CROSS_DUPLICATE, actor=self.owner, detail=detail
+                )
+            except StaleVersion:
+                record = self.store.get(record.tenant_id, record.id)
+                continue
+            if not record.needs_attention:
+                metrics.escalated("cross_provider")
+            routing_metrics.cross_provider_duplicate(provider)
+            logs.emit(
+                logs.reconciler_log,
+                logging.ERROR,
+                "route.cross_provider_duplicate",
+                operation_id=record.id,
+                tenant_id=record.tenant_id,
+                provider=record.provider,
+                late_provider=provider,
+                late_reference=answer.provider_reference,
+                policy=self.policy.value,
+            )
+            return flagged
+        # Still racing: keep the evidence even if the flag could not be fenced in.
+        self.store.append_event(record, kind=CROSS_DUPLICATE, actor=self.owner, detail=detail)
+        return self.store.get(record.tenant_id, record.id)
+
+    def _reverse(self, record: OperationRecord, provider: str, key: str, answer: Answer) -> str:
+        """Void the later effect through its provider, else refund it, else leave it."""
+        adapter = self.providers[provider]
+        reference = answer.provider_reference
+        note: dict[str, Any] = {"provider": provider, "provider_reference": reference}
+        if can_void(adapter, reference):
+            assert isinstance(adapter, Voider)
+            request = VoidRequest(
+                **{**query_of(record), "downstream_key": key, "provider_reference": reference},
+                reason="cross-provider duplicate",
+                actor=self.owner,
+            )
+            try:
+                voided = adapter.void(request)
+            except Exception as exc:  # noqa: BLE001 - an adapter's bug is evidence of nothing
+                voided = Answer(kind=AnswerKind.AMBIGUOUS, code=type(exc).__name__)
+            note["void"] = voided.evidence()
+            if voided.kind in (AnswerKind.SUCCEEDED, AnswerKind.PENDING):
+                self._note(record, CROSS_REVERSAL, {**note, "how": "void"})
+                return "voided"
+        refunds = self.refunds
+        if (
+            record.operation in _REVERSIBLE
+            and refunds is not None
+            and reference
+            and provider in refunds.providers
+        ):
+            return self._refund(record, provider, reference, note)
+        reason = "it can be neither voided nor refunded here: the operator decides"
+        self._note(record, CROSS_LEFT, {**note, "reason": reason})
+        return "left_to_operator"
+
+    def _refund(
+        self, record: OperationRecord, provider: str, reference: str, note: dict[str, Any]
+    ) -> str:
+        assert self.refunds is not None
+        request: dict[str, Any] = {"payment_intent": reference, "amount": record.amount}
+        if record.currency:
+            request["currency"] = record.currency
+        try:
+            outcome = self.refunds.execute(
+                tenant_id=record.tenant_id,
+                operation="refund.create",
+                idempotency_key=refund_key(record, provider),
+                request=request,
+                provider=provider,
+            )
+        except PayorchError as exc:
+            # Not done now; the same key runs it on the next look (never a second refund).
+            note["refund_error"] = f"{type(exc).__name__}: {exc.message}"[:300]
+            self.store.append_event(
+                record, kind="cross_provider_refund_failed", actor=self.owner, detail=note
+            )
+            return "refund_failed"
+        note.update(
+            how="refund",
+            refund_operation_id=outcome.operation_id,
+            refund_state=outcome.state.value,
+            refund_key=refund_key(record, provider),
+        )
+        if outcome.state is State.SUCCEEDED:
+            self._note(record, CROSS_REVERSAL, note)
+            return "refunded"
+        if outcome.state is State.FAILED_FINAL:
+            note["reason"] = f"the refund was declined ({outcome.error_code}): the operator decides"
+            self._note(record, CROSS_LEFT, note)
+            return "left_to_operator"
+        # Unknown or in progress: the refund is an operation of its own, reconciled as any.
+        self.store.append_event(record, kind="cross_provider_refund", actor=self.owner, detail=note)
+        return "refund_" + outcome.state.value
+
+    def _note(self, record: OperationRecord, kind: str, detail: Mapping[str, Any]) -> None:
+        self.store.append_event(record, kind=kind, actor=self.owner, detail=dict(detail))
+
+
+def _late_reference(detail: Mapping[str, Any] | None) -> str | None:
+    """The later effect's reference a ``cross_provider_duplicate`` event recorded."""
+    for effect in (detail or {}).get("effects") or ():
+        if isinstance(effect, Mapping) and not effect.get("answered"):
+            ref = effect.get("provider_reference")
+            return ref if isinstance(ref, str) else None
+    return None

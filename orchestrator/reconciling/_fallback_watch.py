@@ -1,0 +1,94 @@
+"""The reconciler daemon's scheduled look at the providers routed operations moved away from.
+
+A routed operation that settled at its next provider is no longer due for any check, yet
+the provider it left may still surface an effect (an overturned decline, a request that
+arrived late). Each run reads the moves (``fallback`` events, by a partial index of their
+own) that reached one of the ``ages`` since the previous run, and asks their earlier
+providers again (:class:`~payorch.reconciling._crossings.CrossCheck`). So each move is
+looked at a handful of times over a day, not every run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import sqlalchemy as sa
+
+from ..errors import OperationNotFound
+from ..observing import _logs as logs
+from ..storage._engine import read_in_transaction
+from ..storage._store import Store
+from ..storage._tables import events
+from ._crossings import CrossCheck
+
+__all__ = ["DEFAULT_AGES", "FallbackWatch"]
+
+# When a move is looked at again, after it was made.
+DEFAULT_AGES = (
+    timedelta(minutes=2),
+    timedelta(minutes=15),
+    timedelta(hours=1),
+    timedelta(hours=6),
+    timedelta(hours=24),
+    timedelta(hours=72),
+)
+_BATCH = 1000  # moves read per band and run
+
+
+@dataclass(kw_only=True)
+class FallbackWatch:
+    """Asks, every ``every``, the earlier providers of the moves that reached an age in
+    ``ages`` since the last run (the first run looks back ``every``); only the tenants in
+    ``tenant_ids`` when given (a sharded daemon's)."""
+
+    store: Store
+    crossings: CrossCheck
+    every: timedelta = timedelta(minutes=1)
+    ages: Sequence[timedelta] = DEFAULT_AGES
+    tenant_ids: Collection[str] | None = None
+    _last: datetime | None = field(default=None, init=False)
+
+    def run(self) -> dict[str, int]:
+        """One look; the results counted (``clear``, ``flagged``, ``voided``, …)."""
+        now = self.store.db_time()
+        since = self._last or now - self.every
+        self._last = now
+        moves: set[tuple[str, str]] = set()
+        for age in self.ages:
+            moves |= self.moved_between(since - age, now - age)
+        return self.check(moves)
+
+    def moved_between(self, start: datetime, end: datetime) -> set[tuple[str, str]]:
+        """(tenant, operation id) of the moves made in ``(start, end]``."""
+        e = events.c
+        query = (
+            sa.select(e.tenant_id, e.operation_id)
+            .where(e.kind == sa.literal_column("'fallback'"), e.created_at > start)
+            .where(e.created_at <= end)
+            .order_by(e.created_at)
+            .limit(_BATCH)
+        )
+        if self.tenant_ids is not None:
+            query = query.where(e.tenant_id.in_(sorted(self.tenant_ids)))
+        rows = read_in_transaction(self.store.engine, lambda conn: conn.execute(query).all())
+        return {(str(t), str(o)) for t, o in rows}
+
+    def check(self, moves: Collection[tuple[str, str]]) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for tenant_id, operation_id in sorted(moves):
+            try:
+                record = self.store.get(tenant_id, operation_id)
+            except OperationNotFound:
+                continue
+            try:
+                results = self.crossings.check(record)
+            except Exception as exc:  # noqa: BLE001 - one operation must not stop the look
+                logs.reconciler_log.warning(
+                    "cross-provider check of %s failed: %s", operation_id, exc
+                )
+                results = ["check_error"]
+            for result in results:
+                counts[result] = counts.get(result, 0) + 1
+        return counts

@@ -1,0 +1,146 @@
+"""The reconciler's move of a routed operation to its next provider, on proof found after
+the executor let go: "not found" under the current attempt's key past its provider's
+idempotency window (with no notification: it is still unknown), or a void the provider
+confirmed. The request is sent there as the app's adapter builds it from the stored request
+(whole, never with a redacted placeholder), under that provider's own downstream key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, Protocol
+
+from ..core import State
+from ..execution._executor import RetryPolicy, submit_and_record
+from ..observing import _logs as logs
+from ..observing import _routing as routing_metrics
+from ..provider import Provider, SubmitRequest, WireRequest
+from ..records import OperationRecord, Redactor
+from ..routing import Proof, attempts_of, key_at, moved, next_provider
+from ..storage._store import Store
+from ._policy import ReconcilerPolicy
+
+__all__ = ["attempt_started", "fall_over", "past_window"]
+
+
+class Reconciler(Protocol):
+    """What a move needs of the reconciler that runs it (``_reconciler.Reconciler``): its
+    store, policy, owner, adapters, re-send retries, and its logged, fenced write."""
+
+    store: Store
+    policy: ReconcilerPolicy
+    owner: str
+    submit_retry: RetryPolicy
+    providers: dict[str, Provider]
+
+    @property
+    def _write(self) -> Callable[..., OperationRecord]: ...
+
+
+def attempt_started(store: Store, record: OperationRecord) -> datetime:
+    """When ``record``'s current attempt began (the database clock): its last move to this
+    provider, else its creation. A window is the key's, at that provider."""
+    moves = [
+        e.created_at
+        for e in store.events(record.tenant_id, record.id)
+        if e.kind == "fallback" and (e.detail or {}).get("to_provider") == record.provider
+    ]
+    return max(moves, default=record.created_at)
+
+
+def past_window(
+    rec: Reconciler, record: OperationRecord, provider: Provider, now: datetime
+) -> bool:
+    """Whether the current attempt's key is past its provider's idempotency window (a
+    provider with none never is: its "not found" proves nothing about a later arrival)."""
+    window = provider.idempotency_window
+    if window is None:
+        return False
+    return now - attempt_started(rec.store, record) > window + rec.policy.window_margin
+
+
+def fall_over(
+    rec: Reconciler,
+    record: OperationRecord,
+    *,
+    proof: Proof,
+    detail: dict[str, Any],
+    code: str | None = None,
+) -> str | None:
+    """Move ``record`` to its route's next provider and send it there; None (nothing
+    written) when it is not routed, its route is spent, or its stored request is not whole."""
+    if record.route is None or record.request is None:
+        return None
+    if Redactor.redacted_at(record.request) is not None:
+        return None  # the stored request is not what the app would send
+    visited = {a["provider"] for a in attempts_of(record.route)}
+    to = next_provider(record.route, visited, rec.providers)
+    key = key_at(record.route, to) if to is not None else None
+    if to is None or key is None:
+        return None
+    adapter = rec.providers[to]
+    payload = dict(record.request)
+    wire = _wire(adapter, record, key, payload)
+    detail.update(
+        decision=f"proven not executed ({proof.value}): move to {to}",
+        proof=proof.value,
+        from_provider=record.provider,
+        to_provider=to,
+        to_key=key,
+    )
+    if wire is not None:
+        detail["wire"] = wire.stored()
+    moving = rec._write(
+        record,
+        State.IN_PROGRESS,
+        kind="fallback",
+        actor=rec.owner,
+        detail=detail,
+        lease=rec.policy.lease,
+        lease_owner=rec.owner,
+        possibly_sent=True,
+        attempts_delta=1,
+        checks_delta=1,
+        provider=to,
+        downstream_key=key,
+        route=moved(record.route, proof=proof, code=code, to=to, key=key),
+    )
+    routing_metrics.fell_back(record.provider, to, proof.value)
+    routing_metrics.attempted(to)
+    final = submit_and_record(
+        rec.store,
+        adapter,
+        moving,
+        payload,
+        owner=rec.owner,
+        lease=rec.policy.lease,
+        retry=rec.submit_retry,
+        actor_kind="fallback",
+        not_sent_is_final=False,  # an unsent move stays unknown, looked at again
+        wire=wire,
+    )
+    return f"fell_back_{final.state.value}"
+
+
+def _wire(
+    adapter: Provider, record: OperationRecord, key: str, payload: dict[str, Any]
+) -> WireRequest | None:
+    wire_request = getattr(adapter, "wire_request", None)
+    if not callable(wire_request):
+        return None
+    request = SubmitRequest(
+        tenant_id=record.tenant_id,
+        operation=record.operation,
+        operation_id="",
+        downstream_key=key,
+        payload=payload,
+        idempotency_key=record.idempotency_key,
+        fingerprint=record.fingerprint,
+    )
+    try:
+        built = wire_request(request)
+    except Exception as exc:  # noqa: BLE001 - sent as submit builds it; never re-sent
+        logs.reconciler_log.warning("%s.wire_request failed: %s", adapter.name, exc)
+        return None
+    return built if isinstance(built, WireRequest) else None

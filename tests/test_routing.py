@@ -1,0 +1,283 @@
+"""Routing across two acquirers on loopback (payorch.routing), on SQLite, PostgreSQL and Citus.
+
+Every test counts the effects at both providers: a move to the second acquirer happens only
+on proof that the first attempt did not execute, and an effect that surfaces at the first
+one later is found, flagged and reversed by policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import workers
+from conftest import FAST_TIMEOUT, RecordingSleep, make_due
+
+from payorch.core import State
+from payorch.errors import NoRoute, OperationNotFound
+from payorch.execution._executor import Executor
+from payorch.operations import default_registry
+from payorch.providers.sandbox import SandboxProvider, SandboxServer
+from payorch.reconciling._crossings import (
+    CROSS_DUPLICATE,
+    CROSS_REVERSAL,
+    CrossCheck,
+    DuplicatePolicy,
+)
+from payorch.reconciling._fallback_watch import FallbackWatch
+from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
+from payorch.routing import Router, Rule, attempts_of
+from payorch.storage._store import Store
+
+A, B = "acquirer_a", "acquirer_b"
+PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
+MONEY = ("succeeded", "processing")
+
+
+@pytest.fixture
+def acquirers() -> Iterator[tuple[SandboxServer, SandboxServer]]:
+    with (
+        SandboxServer(drop_hold_seconds=2.0) as a,
+        SandboxServer(drop_hold_seconds=2.0, seed=1) as b,
+    ):
+        yield a, b
+
+
+_OPEN: list[SandboxProvider] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_adapters() -> Iterator[None]:
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+def adapters(a_url: str, b_url: str) -> list[SandboxProvider]:
+    made = [
+        SandboxProvider(base_url=a_url, name=A, timeout=FAST_TIMEOUT),
+        SandboxProvider(base_url=b_url, name=B, timeout=FAST_TIMEOUT),
+    ]
+    _OPEN.extend(made)
+    return made
+
+
+def executor(
+    store: Store, providers: list[SandboxProvider], *, declines: tuple[str, ...] = ()
+) -> Executor:
+    rule = Rule(operation="payment.create", providers=[A, B], name="eu")
+    return Executor(
+        store=store,
+        providers=providers,
+        registry=default_registry(A),
+        lease=timedelta(seconds=60),
+        sleep=RecordingSleep(),
+        router=Router([rule], fallback_declines=declines, health=None),
+    )
+
+
+def reconciler(
+    store: Store, providers: list[SandboxProvider], policy: DuplicatePolicy
+) -> Reconciler:
+    rec = Reconciler(
+        store=store,
+        providers=providers,
+        policy=ReconcilerPolicy(not_found_grace=timedelta(0)),
+        owner="reconciler-test",
+    )
+    refunds = Executor(store=store, providers=providers, owner="reconciler-test")
+    rec.crossings = CrossCheck(
+        store=store,
+        providers=rec.providers,
+        owner=rec.owner,
+        policy=policy,
+        refunds=refunds,
+    )
+    return rec
+
+
+def pay(ex: Executor, key: str = "order-1", **request: Any) -> Any:
+    return ex.execute(
+        tenant_id="shop",
+        operation="payment.create",
+        idempotency_key=key,
+        request={**PAYMENT, **request},
+    )
+
+
+def money(sandbox: SandboxServer, operation: str = "payment.create") -> list[dict[str, Any]]:
+    """The money the acquirer moved for ``operation``: every effect that succeeded."""
+    return [e for e in sandbox.ledger() if e["status"] in MONEY and e["operation"] == operation]
+
+
+def stopped() -> str:
+    """The address of an acquirer that is down: nothing listens there any more."""
+    with SandboxServer() as gone:
+        return gone.url
+
+
+def test_first_acquirer_down_second_serves_with_one_effect(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    a, b = acquirers
+    a.stop()  # connection refused: certainly not sent
+    providers = adapters(a.url, b.url)
+    ex = executor(store, providers)
+    out = pay(ex)
+    assert out.state is State.SUCCEEDED and out.provider == B and out.routed
+    record = store.get("shop", out.operation_id)
+    steps = attempts_of(record.route)
+    assert [s["provider"] for s in steps] == [A, B]
+    assert steps[0]["proof"] == "not_sent"
+    assert steps[0]["downstream_key"] != steps[1]["downstream_key"] == record.downstream_key
+    assert record.route is not None and record.route["providers"] == [A, B]
+    kinds = [e.kind for e in store.events("shop", out.operation_id)]
+    assert kinds == ["claimed", "fallback", "provider_answer"]
+    # The client's retry is the same operation and answer, the settling provider named.
+    again = pay(ex)
+    assert again.replayed and again.operation_id == out.operation_id and again.provider == B
+    assert len(money(b)) == 1 and a.ledger() == []
+    assert b.effects_for(record.downstream_key)[0]["status"] == "succeeded"
+
+
+def test_a_timeout_after_commit_stays_with_the_first_and_is_reconciled(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    a, b = acquirers
+    providers = adapters(a.url, b.url)
+    ex = executor(store, providers)
+    a.inject("drop_after")  # committed at A, the answer never comes
+    out = pay(ex)
+    assert out.state is State.OUTCOME_UNKNOWN and out.provider == A
+    record = store.get("shop", out.operation_id)
+    assert [s["provider"] for s in attempts_of(record.route)] == [A]
+    assert b.ledger() == []  # an unknown never falls over
+    make_due(store, out.operation_id)
+    reconciler(store, providers, DuplicatePolicy.REVERSE).run_until_idle()
+    settled = store.get("shop", out.operation_id)
+    assert settled.state is State.SUCCEEDED and settled.provider == A
+    assert len(money(a)) == 1 and b.ledger() == []
+    assert pay(ex).provider == A
+
+
+def test_a_listed_decline_moves_on_and_an_unlisted_one_is_final(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    a, b = acquirers
+    providers = adapters(a.url, b.url)
+    listed = executor(store, providers, declines=("generic_decline",))
+    a.inject("decline")
+    out = pay(listed, "listed")
+    assert out.state is State.SUCCEEDED and out.provider == B
+    steps = attempts_of(store.get("shop", out.operation_id).route)
+    assert (steps[0]["proof"], steps[0]["code"]) == ("listed_decline", "generic_decline")
+    # By default no decline code is listed: a decline is the final answer.
+    a.inject("decline")
+    final = pay(executor(store, providers), "unlisted")
+    assert final.state is State.FAILED_FINAL and final.provider == A
+    assert [e["status"] for e in a.ledger()] == ["declined", "declined"]
+    assert len(money(a)) == 0 and len(money(b)) == 1
+
+
+@pytest.mark.parametrize("policy", [DuplicatePolicy.REVERSE, DuplicatePolicy.OPERATOR])
+def test_a_late_success_after_a_proven_fallback_is_flagged_and_the_policy_applies(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer], policy: DuplicatePolicy
+) -> None:
+    a, b = acquirers
+    providers = adapters(a.url, b.url)
+    a.inject("decline")
+    out = pay(executor(store, providers, declines=("generic_decline",)))
+    assert out.state is State.SUCCEEDED and out.provider == B
+    (declined,) = a.ledger()
+    a.overturn(declined["id"])  # the issuer approves after all: money moved at both
+    assert len(money(a)) == 1 and len(money(b)) == 1
+    rec = reconciler(store, providers, policy)
+    watch = FallbackWatch(store=store, crossings=rec.crossings, ages=(timedelta(0),))
+    counts = watch.run()
+    assert counts == {"refunded" if policy is DuplicatePolicy.REVERSE else "flagged": 1}
+    record = store.get("shop", out.operation_id)
+    assert record.needs_attention and record.state is State.SUCCEEDED and record.provider == B
+    events = store.events("shop", out.operation_id)
+    (flag,) = [e for e in events if e.kind == CROSS_DUPLICATE]
+    assert flag.detail is not None and flag.detail["severity"] == "critical"
+    shown = {(e["provider"], e["provider_reference"]) for e in flag.detail["effects"]}
+    assert shown == {(B, record.provider_reference), (A, declined["id"])}
+    refunds = money(a, "refund.create")
+    if policy is DuplicatePolicy.REVERSE:
+        (reversal,) = [e for e in events if e.kind == CROSS_REVERSAL]
+        assert reversal.detail is not None and reversal.detail["how"] == "refund"
+        assert [r["payment_intent"] for r in refunds] == [declined["id"]]
+    else:
+        assert refunds == []
+    # A second look finds the same effects and does nothing more.
+    assert watch.check({("shop", out.operation_id)}) == {"known" if refunds else "flagged": 1}
+    assert len(money(a, "refund.create")) == len(refunds)
+    assert len(money(a)) == 1 and len(money(b)) == 1  # both effects stay visible
+
+
+def test_sigkill_between_the_move_and_the_second_call_leaves_one_effect(
+    db_url: str, store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    a, b = acquirers
+    a.stop()
+    workers.run_routed_until_killed(db_url, a.url, b.url, "crash-route")
+    record = store.get_by_namespace("shop", "payment.create", "crash-route")
+    assert record.state is State.IN_PROGRESS and record.provider == B and record.possibly_sent
+    assert b.ledger() == [] and a.ledger() == []
+    make_due(store, record.id)
+    reconciler(store, adapters(a.url, b.url), DuplicatePolicy.REVERSE).run_until_idle()
+    done = store.get("shop", record.id)
+    assert done.state is State.SUCCEEDED and done.provider == B
+    # Re-sent at B under B's own key, the request the move kept: one effect in all.
+    assert len(b.effects_for(done.downstream_key)) == 1
+    assert len(money(b)) == 1 and a.ledger() == []
+
+
+def test_a_request_no_rule_matches_is_refused_and_nothing_is_stored(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    a, b = acquirers
+    rule = Rule(operation="payment.create", providers=[A, B], currencies=["EUR"])
+    ex = Executor(
+        store=store,
+        providers=adapters(a.url, b.url),
+        registry=default_registry(A),
+        router=Router([rule]),
+    )
+    with pytest.raises(NoRoute) as caught:
+        pay(ex, currency="USD")
+    assert caught.value.http_status == 422 and caught.value.operation == "payment.create"
+    assert "payment.create" in caught.value.message
+    with pytest.raises(OperationNotFound):
+        store.get_by_namespace("shop", "payment.create", "order-1")
+    assert a.ledger() == [] and b.ledger() == []
+
+
+def test_the_stored_route_is_replayed_when_every_provider_was_down(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    from payorch.errors import ProviderUnavailable
+
+    a, b = acquirers
+    down = stopped()
+    with pytest.raises(ProviderUnavailable):
+        pay(executor(store, adapters(down, down)))
+    record = store.get_by_namespace("shop", "payment.create", "order-1")
+    assert record.released and record.route is not None
+    # The client retries; the routing table now prefers B first, but the namespace follows
+    # the route it was stored with, resuming where it stood.
+    rule = Rule(operation="payment.create", providers=[B, A])
+    ex = Executor(
+        store=store,
+        providers=adapters(down, b.url),
+        registry=default_registry(A),
+        sleep=RecordingSleep(),
+        router=Router([rule], health=None),
+    )
+    out = pay(ex)
+    assert out.state is State.SUCCEEDED and out.provider == B
+    stored = store.get("shop", out.operation_id)
+    assert stored.route is not None and stored.route["providers"] == [A, B]
+    assert len(money(b)) == 1 and a.ledger() == []

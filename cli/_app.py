@@ -24,6 +24,7 @@ from ._ops import ops_app
 from ._outbox import outbox_app
 from ._recon import recon_app
 from ._reconcile import reconcile_app
+from ._routing import routing_app
 from ._runtime import DatabaseUrl, database_url, err, given_url, out, trimmed_stdout
 from ._sandbox import sandbox_app
 from ._stats import stats_cmd
@@ -172,6 +173,7 @@ app.add_typer(effects_app, name="effects")
 app.add_typer(keys_app, name="keys")
 app.add_typer(reconcile_app, name="reconcile")
 app.add_typer(recon_app, name="recon")
+app.add_typer(routing_app, name="routing")
 app.add_typer(sandbox_app, name="sandbox")
 app.command("stats")(stats_cmd)
 app.command("types")(types_cmd)

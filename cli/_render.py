@@ -248,6 +248,8 @@ def show_operation(
         facts.add_row(Text(name), Text(printable(value)))
     console.print(facts)
     console.print()
+    if record.route is not None:
+        show_attempts(console, record, timeline)
     table = Table(title="timeline", box=None, header_style="bold", title_justify="left")
     for name in ("time", "after", "kind", "actor", "state", "took", "evidence"):
         evidence = name == "evidence"
@@ -257,6 +259,70 @@ def show_operation(
     for row in event_rows(timeline):
         table.add_row(*(Text(v) for v in row.values()))
     print_wide(console, table)
+
+
+def attempt_rows(record: OperationRecord, timeline: Sequence[EventRecord]) -> list[dict[str, str]]:
+    """A routed operation's attempts, one per provider it was sent to, with what each
+    came to: the proof it moved on with, the current one's state, and any effect a later
+    look found there (a cross-provider duplicate)."""
+    from ..reconciling._crossings import CROSS_DUPLICATE, CROSS_LEFT, CROSS_REVERSAL
+    from ..routing import attempts_of
+
+    found: dict[tuple[str, str], str] = {}
+    for event in timeline:
+        detail = event.detail or {}
+        if event.kind == CROSS_DUPLICATE:
+            for effect in detail.get("effects") or ():
+                if isinstance(effect, dict) and not effect.get("answered"):
+                    where = (str(effect.get("provider")), str(effect.get("downstream_key")))
+                    found[where] = f"LATE EFFECT {effect.get('provider_reference')} (flagged)"
+        elif event.kind in (CROSS_REVERSAL, CROSS_LEFT):
+            for where, text in list(found.items()):
+                if where[0] == detail.get("provider"):
+                    how = detail.get("how")
+                    done = f"reversed by {how}" if how else "left to the operator"
+                    if detail.get("refund_operation_id"):
+                        done += f" (operation {detail['refund_operation_id']})"
+                    found[where] = f"{text}; {done}"
+    steps = attempts_of(record.route)
+    rows = []
+    for number, step in enumerate(steps, 1):
+        key = str(step.get("downstream_key") or "")
+        current = number == len(steps)
+        came_to = f"moved on: {step.get('proof')}" if step.get("proof") else "-"
+        if current:
+            reference = record.provider_reference or "-"
+            came_to = f"{record.state.value} ref={reference}"
+        extra = found.get((step["provider"], key))
+        rows.append(
+            {
+                "#": str(number),
+                "provider": step["provider"],
+                "downstream key": key,
+                "code": str(step.get("code") or "-"),
+                "came to": came_to + (f"; {extra}" if extra else ""),
+            }
+        )
+    return rows
+
+
+def show_attempts(
+    console: Console, record: OperationRecord, timeline: Sequence[EventRecord]
+) -> None:
+    route = record.route or {}
+    order = " > ".join(str(p) for p in route.get("providers") or ())
+    skipped = route.get("skipped") or []
+    title = f"route {route.get('rule', '-')}: {order}"
+    if skipped:
+        title += f" (passed over as unhealthy: {', '.join(map(str, skipped))})"
+    table = Table(title=title, box=None, header_style="bold", title_justify="left")
+    rows = attempt_rows(record, timeline)
+    for name in rows[0] if rows else ():
+        table.add_column(name, overflow="fold")
+    for row in rows:
+        table.add_row(*(Text(printable(v)) for v in row.values()))
+    print_wide(console, table)
+    console.print()
 
 
 def show_stats(console: Console, stats: Stats) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import workers
+from cli_helpers import run as cli_run
 from conftest import FAST_TIMEOUT, RecordingSleep, make_due
 
 from payorch.core import State
@@ -112,6 +113,22 @@ def money(sandbox: SandboxServer, operation: str = "payment.create") -> list[dic
     return [e for e in sandbox.ledger() if e["status"] in MONEY and e["operation"] == operation]
 
 
+def sample(name: str, **labels: str) -> float:
+    from payorch.observing import _metrics
+
+    assert _metrics.registry is not None
+    return _metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def routing_counts() -> tuple[float, ...]:
+    return (
+        sample("payorch_route_attempts_total", provider=A),
+        sample("payorch_route_attempts_total", provider=B),
+        sample("payorch_route_fallbacks_total", from_provider=A, to_provider=B, proof="not_sent"),
+        sample("payorch_route_cross_provider_duplicates_total", provider=A),
+    )
+
+
 def stopped() -> str:
     """The address of an acquirer that is down: nothing listens there any more."""
     with SandboxServer() as gone:
@@ -125,8 +142,11 @@ def test_first_acquirer_down_second_serves_with_one_effect(
     a.stop()  # connection refused: certainly not sent
     providers = adapters(a.url, b.url)
     ex = executor(store, providers)
+    before = routing_counts()
     out = pay(ex)
     assert out.state is State.SUCCEEDED and out.provider == B and out.routed
+    after = routing_counts()
+    assert [x - y for x, y in zip(after, before, strict=True)] == [1, 1, 1, 0]
     record = store.get("shop", out.operation_id)
     steps = attempts_of(record.route)
     assert [s["provider"] for s in steps] == [A, B]
@@ -183,7 +203,10 @@ def test_a_listed_decline_moves_on_and_an_unlisted_one_is_final(
 
 @pytest.mark.parametrize("policy", [DuplicatePolicy.REVERSE, DuplicatePolicy.OPERATOR])
 def test_a_late_success_after_a_proven_fallback_is_flagged_and_the_policy_applies(
-    store: Store, acquirers: tuple[SandboxServer, SandboxServer], policy: DuplicatePolicy
+    db_url: str,
+    store: Store,
+    acquirers: tuple[SandboxServer, SandboxServer],
+    policy: DuplicatePolicy,
 ) -> None:
     a, b = acquirers
     providers = adapters(a.url, b.url)
@@ -195,7 +218,9 @@ def test_a_late_success_after_a_proven_fallback_is_flagged_and_the_policy_applie
     assert len(money(a)) == 1 and len(money(b)) == 1
     rec = reconciler(store, providers, policy)
     watch = FallbackWatch(store=store, crossings=rec.crossings, ages=(timedelta(0),))
+    duplicates = sample("payorch_route_cross_provider_duplicates_total", provider=A)
     counts = watch.run()
+    assert sample("payorch_route_cross_provider_duplicates_total", provider=A) == duplicates + 1
     assert counts == {"refunded" if policy is DuplicatePolicy.REVERSE else "flagged": 1}
     record = store.get("shop", out.operation_id)
     assert record.needs_attention and record.state is State.SUCCEEDED and record.provider == B
@@ -211,6 +236,14 @@ def test_a_late_success_after_a_proven_fallback_is_flagged_and_the_policy_applie
         assert [r["payment_intent"] for r in refunds] == [declined["id"]]
     else:
         assert refunds == []
+    # The operator sees each attempt per provider, the late effect and what became of it.
+    shown_cli = cli_run(db_url, "ops", "show", out.operation_id)
+    assert shown_cli.exit_code == 0, shown_cli.output
+    text = " ".join(shown_cli.output.split())
+    assert "route eu: acquirer_a > acquirer_b" in text
+    assert f"LATE EFFECT {declined['id']} (flagged)" in text
+    assert f"succeeded ref={record.provider_reference}" in text
+    assert ("refund" in text) is (policy is DuplicatePolicy.REVERSE)
     # A second look finds the same effects and does nothing more.
     assert watch.check({("shop", out.operation_id)}) == {"known" if refunds else "flagged": 1}
     assert len(money(a, "refund.create")) == len(refunds)
@@ -281,3 +314,55 @@ def test_the_stored_route_is_replayed_when_every_provider_was_down(
     stored = store.get("shop", out.operation_id)
     assert stored.route is not None and stored.route["providers"] == [A, B]
     assert len(money(b)) == 1 and a.ledger() == []
+
+
+def test_not_found_past_the_window_moves_the_unknown_to_the_next_provider(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    from conftest import age
+
+    a, b = acquirers
+    providers = adapters(a.url, b.url)
+    a.inject("error_500_before")  # possibly sent, nothing committed at A
+    out = pay(executor(store, providers))
+    assert out.state is State.OUTCOME_UNKNOWN and out.provider == A
+    rec = reconciler(store, providers, DuplicatePolicy.REVERSE)
+    make_due(store, out.operation_id)
+    # Within A's window a "not found" is re-sent to A under A's key, never moved on.
+    a.inject("error_500_before")
+    rec.run_until_idle(max_passes=1)
+    assert store.get("shop", out.operation_id).provider == A and b.ledger() == []
+    age(store, out.operation_id, timedelta(hours=25))  # A's window (24 h) has passed
+    make_due(store, out.operation_id)
+    rec.run_until_idle()
+    done = store.get("shop", out.operation_id)
+    assert done.state is State.SUCCEEDED and done.provider == B
+    steps = attempts_of(done.route)
+    assert [(s["provider"], s.get("proof")) for s in steps] == [
+        (A, "not_found_past_window"),
+        (B, None),
+    ]
+    assert a.ledger() == [] and len(money(b)) == 1
+
+
+def test_a_void_the_provider_confirmed_moves_the_authorisation_on(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    a, b = acquirers
+    providers = adapters(a.url, b.url)
+    a.inject("pending")  # held at A, not settled
+    out = pay(executor(store, providers), capture_method="manual")
+    assert out.provider == A and out.state is not State.SUCCEEDED
+    rec = Reconciler(
+        store=store,
+        providers=providers,
+        policy=ReconcilerPolicy(void_after=timedelta(0), not_found_grace=timedelta(0)),
+        owner="reconciler-test",
+    )
+    make_due(store, out.operation_id)
+    rec.run_until_idle()
+    done = store.get("shop", out.operation_id)
+    assert done.provider == B and done.state is State.SUCCEEDED
+    assert attempts_of(done.route)[0]["proof"] == "voided"
+    assert [e["status"] for e in a.ledger()] == ["voided"]
+    assert len(money(b)) == 1

@@ -19,6 +19,7 @@ from ..errors import ConfigurationError, OperationNotFound, PayorchError, Schema
 from ..http import SAME_KEY, HttpAnswer, http_answer, problem
 from ..operations import Registry, default_registry
 from ..outcome import Outcome
+from ..routing import Router, load_router
 from ..settings import Settings
 from ..storage._outbox import OutboxHooks, load_hooks
 
@@ -27,6 +28,7 @@ __all__ = [
     "Refused",
     "WebhookHeaders",
     "checked_operation_id",
+    "env_router",
     "failure",
     "known_tenant",
     "missing_webhook_secret",
@@ -90,6 +92,16 @@ def set_up(
     if registry is None:
         registry = default_registry(adapters[0].name if len(adapters) == 1 else None)
     return adapters, store, owned, registry
+
+
+def env_router(router: Router | None = None) -> Router | None:
+    """``router``, else the routing table ``PAYORCH_ROUTING`` names (None: nothing routed);
+    a table that cannot be read is refused in one line, as the executor refuses a rule that
+    cannot route."""
+    if router is not None:
+        return router
+    path = Settings().routing
+    return load_router(path) if path else None
 
 
 # What payorch's adapters call their webhook secret, to name it in the refusal below.

@@ -38,7 +38,7 @@ from ..settings import Settings
 from ..storage._async_store import AsyncStore
 from ..storage._outbox import OutboxHooks, load_hooks
 from ..storage._store import Store
-from ._common import missing_webhook_secret
+from ._common import env_router, missing_webhook_secret
 
 __all__ = [
     "PayorchAppConfig",
@@ -272,7 +272,11 @@ class _Runtime:
         if self.executor is None or self.webhooks is None:
             config, providers, registry = self.settings()
             self.executor = Executor(
-                store=store, providers=providers, registry=registry, lease=config.lease
+                store=store,
+                providers=providers,
+                registry=registry,
+                lease=config.lease,
+                router=env_router(),
             )
             self.webhooks = WebhookHandler(store=store, providers=providers)
         return self.executor, self.webhooks
@@ -320,7 +324,11 @@ class _Runtime:
                     config.database_url, outbox_hooks=config.outbox_hooks
                 )
                 self.aexecutor = AsyncExecutor(
-                    store=store, providers=adapters, registry=registry, lease=config.lease
+                    store=store,
+                    providers=adapters,
+                    registry=registry,
+                    lease=config.lease,
+                    router=env_router(),
                 )
                 self.awebhooks = AsyncWebhookHandler(store=store, providers=adapters)
                 self.loop = loop

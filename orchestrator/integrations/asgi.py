@@ -46,6 +46,7 @@ from ..operations import Registry
 from ..outcome import Outcome
 from ..provider import AsyncProvider
 from ..reconciling._async import AsyncWebhookHandler
+from ..routing import Router
 from ..storage._async_store import AsyncStore
 from ..storage._outbox import OutboxHooks
 from ._common import (
@@ -53,6 +54,7 @@ from ._common import (
     Refused,
     WebhookHeaders,
     checked_operation_id,
+    env_router,
     failure,
     known_tenant,
     not_allowed,
@@ -165,6 +167,7 @@ class PayorchMiddleware:
         outbox_hooks: OutboxHooks | None = None,
         webhooks: str | None = "/webhooks",
         operations: str = "/operations",
+        router: Router | None = None,
     ) -> None:
         for prefix in (webhooks, operations):
             if prefix is not None and (not prefix.startswith("/") or prefix.endswith("/")):
@@ -187,7 +190,12 @@ class PayorchMiddleware:
         if webhooks is not None:
             require_webhook_secrets(self.providers, "PayorchMiddleware(..., webhooks=None)")
         self.executor = AsyncExecutor(
-            store=self.store, providers=self.providers, registry=registry, lease=lease, retry=retry
+            store=self.store,
+            providers=self.providers,
+            registry=registry,
+            lease=lease,
+            retry=retry,
+            router=env_router(router),
         )
         self.webhooks = AsyncWebhookHandler(store=self.store, providers=self.providers)
         self.tenant: TenantResolver = tenant or header_tenant()

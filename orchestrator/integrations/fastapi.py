@@ -50,9 +50,10 @@ from ..operations import Registry
 from ..outcome import Outcome
 from ..provider import AsyncProvider
 from ..reconciling._async import AsyncWebhookHandler
+from ..routing import Router
 from ..storage._async_store import AsyncStore
 from ..storage._outbox import OutboxHooks
-from ._common import require_webhook_secrets, set_up
+from ._common import env_router, require_webhook_secrets, set_up
 from ._fastapi_tenants import TenantResolver, header_tenant, path_tenant, principal_tenant
 
 __all__ = [
@@ -216,6 +217,7 @@ class Payorch:
         retry: RetryPolicy | None = None,
         max_body: int = DEFAULT_MAX_BODY,
         outbox_hooks: OutboxHooks | None = None,
+        router: Router | None = None,
     ) -> None:
         self.providers, self.store, self._owns_store, registry = set_up(
             "Payorch",
@@ -228,7 +230,12 @@ class Payorch:
             outbox_hooks=outbox_hooks,
         )
         self.executor = AsyncExecutor(
-            store=self.store, providers=self.providers, registry=registry, lease=lease, retry=retry
+            store=self.store,
+            providers=self.providers,
+            registry=registry,
+            lease=lease,
+            retry=retry,
+            router=env_router(router),
         )
         self.webhooks = AsyncWebhookHandler(store=self.store, providers=self.providers)
         self.tenant: TenantResolver = tenant or header_tenant()

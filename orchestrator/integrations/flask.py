@@ -52,6 +52,7 @@ from ..operations import Registry
 from ..outcome import Outcome
 from ..provider import Provider
 from ..reconciling._webhooks import WebhookHandler
+from ..routing import Router
 from ..storage._outbox import OutboxHooks
 from ..storage._store import Store
 from ._common import (
@@ -59,6 +60,7 @@ from ._common import (
     Refused,
     WebhookHeaders,
     checked_operation_id,
+    env_router,
     failure,
     known_tenant,
     operation_answer,
@@ -225,6 +227,7 @@ class Payorch:
         retry: RetryPolicy | None = None,
         max_body: int = DEFAULT_MAX_BODY,
         outbox_hooks: OutboxHooks | None = None,
+        router: Router | None = None,
     ) -> None:
         self.providers, self.store, self._owns_store, registry = set_up(
             "Payorch",
@@ -237,7 +240,12 @@ class Payorch:
             outbox_hooks=outbox_hooks,
         )
         self.executor = Executor(
-            store=self.store, providers=self.providers, registry=registry, lease=lease, retry=retry
+            store=self.store,
+            providers=self.providers,
+            registry=registry,
+            lease=lease,
+            retry=retry,
+            router=env_router(router),
         )
         self.webhooks = WebhookHandler(store=self.store, providers=self.providers)
         self.tenant: TenantResolver = tenant or header_tenant()

@@ -4,8 +4,9 @@ Simulated clients retry, send concurrent duplicates and reuse a key with a chang
 against a sandbox acquirer that drops responses after committing, fails with 5xx, resets
 connections, rate-limits, declines, lags and leaves payments pending. Then the reconciler
 and the webhooks settle everything, the sandbox's settlement report is imported as the
-provider's evidence, and the run checks the one invariant that matters: one explainable
-effect per operation, counted at the provider and in its settlement.
+provider's evidence; payments are routed across two more acquirers, one of which goes down
+mid-run. The run checks the one invariant that matters: one explainable effect per
+operation, counted at the providers and in the settlement.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ..storage._store import Store
 from ..storage._tables import operations
 from ._demo_recon import settle_books
 from ._demo_report import Tally, attention_reasons, report
+from ._demo_routing import route_across
 from ._progress import Update, bar
 from ._runtime import err
 
@@ -111,6 +113,8 @@ def _run(url: str, payments: int, seed: int, console: Console) -> bool:
         with bar("settling", console=err()) as progress:
             webhook_results = _settle(store, provider, sandbox, seed, tenant, progress=progress)
         books = settle_books(store, sandbox, tenant, console)
+        # A tenant of its own: the report above counts the first acquirer's operations.
+        books += route_across(store, f"{tenant}-routed", payments, seed, console)
         ok = report(
             store,
             sandbox,

@@ -6,6 +6,7 @@
 
     [health]                       # left out: the defaults; health = false: never skip
     window_seconds = 60
+    calls = 10
     min_calls = 5
     failure_ratio = 0.5
     cool_off_seconds = 30
@@ -44,6 +45,7 @@ class _Strict(BaseModel):
 
 class _Health(_Strict):
     window_seconds: float = 60.0
+    calls: int = 10
     min_calls: int = 5
     failure_ratio: float = 0.5
     cool_off_seconds: float = 30.0
@@ -80,6 +82,7 @@ def router_from_mapping(data: Mapping[str, Any], *, source: str = "routing table
         h = table.health
         health = HealthPolicy(
             window=timedelta(seconds=h.window_seconds),
+            calls=h.calls,
             min_calls=h.min_calls,
             failure_ratio=h.failure_ratio,
             cool_off=timedelta(seconds=h.cool_off_seconds),

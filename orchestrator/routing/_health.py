@@ -26,10 +26,12 @@ _FAILED = frozenset({AnswerKind.NOT_SENT, AnswerKind.AMBIGUOUS})
 
 @dataclass(frozen=True, kw_only=True)
 class HealthPolicy:
-    """A provider with at least ``min_calls`` calls in the last ``window``, of which at
-    least ``failure_ratio`` failed, is passed over for new operations for ``cool_off``."""
+    """A provider whose last ``calls`` calls (those within ``window``), at least
+    ``min_calls`` of them, failed in a ratio of ``failure_ratio`` or more is passed over for
+    new operations for ``cool_off``, then judged afresh."""
 
     window: timedelta = timedelta(seconds=60)
+    calls: int = 10
     min_calls: int = 5
     failure_ratio: float = 0.5
     cool_off: timedelta = timedelta(seconds=30)
@@ -38,12 +40,12 @@ class HealthPolicy:
         if (
             self.window <= timedelta(0)
             or self.cool_off < timedelta(0)
-            or self.min_calls < 1
+            or not 1 <= self.min_calls <= self.calls
             or not 0 < self.failure_ratio <= 1
         ):
             raise ConfigurationError(
-                "routing health: need a positive window, cool_off >= 0, min_calls >= 1 "
-                "and 0 < failure_ratio <= 1"
+                "routing health: need a positive window, cool_off >= 0, "
+                "1 <= min_calls <= calls and 0 < failure_ratio <= 1"
             )
 
 
@@ -71,7 +73,7 @@ class Health:
         now = self._clock()
         window = self.policy.window.total_seconds()
         with self._lock:
-            calls = self._calls.setdefault(provider, deque())
+            calls = self._calls.setdefault(provider, deque(maxlen=self.policy.calls))
             calls.append((now, kind in _FAILED))
             while calls and calls[0][0] < now - window:
                 calls.popleft()

@@ -366,3 +366,27 @@ def test_a_void_the_provider_confirmed_moves_the_authorisation_on(
     assert attempts_of(done.route)[0]["proof"] == "voided"
     assert [e["status"] for e in a.ledger()] == ["voided"]
     assert len(money(b)) == 1
+
+
+def test_an_answer_that_proves_nothing_never_falls_over(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    from payorch.provider import Answer, AnswerKind, SubmitRequest
+
+    class Unsure(SandboxProvider):
+        """An adapter that cannot tell a refused connection from a lost answer."""
+
+        def submit(self, request: SubmitRequest) -> Answer:
+            answer = super().submit(request)
+            if answer.kind is AnswerKind.NOT_SENT:
+                return Answer(kind=AnswerKind.AMBIGUOUS, code="unsure")
+            return answer
+
+    a, b = acquirers
+    a.stop()
+    unsure = Unsure(base_url=a.url, name=A, timeout=FAST_TIMEOUT)
+    _OPEN.append(unsure)
+    out = pay(executor(store, [unsure, adapters(a.url, b.url)[1]]))
+    assert out.state is State.OUTCOME_UNKNOWN and out.provider == A
+    assert [s["provider"] for s in attempts_of(store.get("shop", out.operation_id).route)] == [A]
+    assert a.ledger() == [] and b.ledger() == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ._async_checks import AsyncContract
 from ._resends import ResendContract
+from ._routes import RouteContract
 from ._submits import SubmitContract
 from ._voids import VoidContract
 from ._webhook_checks import WebhookContract
@@ -11,7 +12,9 @@ from ._webhook_checks import WebhookContract
 __all__ = ["AdapterContract"]
 
 
-class AdapterContract(SubmitContract, ResendContract, WebhookContract, VoidContract, AsyncContract):
+class AdapterContract(
+    SubmitContract, ResendContract, WebhookContract, VoidContract, AsyncContract, RouteContract
+):
     """Subclass it as ``Test…`` and give it an ``emulator`` fixture; pytest collects every
     check. Each asserts what the emulator counted or what the adapter answered, and skips,
     saying why, only where the adapter's declaration (its capabilities, its window) or the

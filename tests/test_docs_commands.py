@@ -102,6 +102,10 @@ LONG_RUNNING: dict[tuple[str, ...], str] = {
 # Environment a command needs beyond the shared one.
 COMMAND_ENV: dict[tuple[str, ...], dict[str, str]] = {
     ("outbox", "relay"): {"PAYORCH_OUTBOX_SINKS": "outbox_apps:sinks"},
+    ("routing", "check"): {
+        "PAYORCH_ROUTING": str(ROOT / "examples" / "routing.toml"),
+        "PAYORCH_PROVIDERS": "routing_apps:providers",
+    },
 }
 
 

@@ -390,3 +390,28 @@ def test_an_answer_that_proves_nothing_never_falls_over(
     assert out.state is State.OUTCOME_UNKNOWN and out.provider == A
     assert [s["provider"] for s in attempts_of(store.get("shop", out.operation_id).route)] == [A]
     assert a.ledger() == [] and b.ledger() == []
+
+
+def test_a_route_standing_at_a_provider_not_configured_here_is_released_untouched(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    from payorch.errors import ConfigurationError, ProviderUnavailable
+
+    a, b = acquirers
+    down = stopped()
+    with pytest.raises(ProviderUnavailable):
+        pay(executor(store, adapters(down, down)))  # released, standing at B
+    only_a = Executor(
+        store=store,
+        providers=[adapters(a.url, b.url)[0]],
+        registry=default_registry(A),
+        router=Router([Rule(operation="payment.create", providers=[A])], health=None),
+    )
+    with pytest.raises(ConfigurationError, match="stands at provider 'acquirer_b'"):
+        pay(only_a)
+    record = store.get_by_namespace("shop", "payment.create", "order-1")
+    assert record.released and record.provider == B
+    assert a.ledger() == [] and b.ledger() == []
+    out = pay(executor(store, adapters(a.url, b.url)))  # the next request, with B here
+    assert out.state is State.SUCCEEDED and out.provider == B
+    assert len(money(b)) == 1 and a.ledger() == []

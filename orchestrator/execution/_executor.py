@@ -308,7 +308,9 @@ class Executor:
         """Send the claimed ``record`` and record its answer; a routed one moves on to its
         next provider as long as each attempt is proven not to have executed."""
         visited: set[str] = set()
-        if record.route is not None and record.provider in self.providers:
+        if record.route is not None:
+            if record.provider not in self.providers:
+                raise self._not_here(record)
             adapter = self.providers[record.provider]  # a take-over resumes where it stood
         while True:
             visited.add(adapter.name)
@@ -347,6 +349,23 @@ class Executor:
                 return record
             adapter = self.providers[record.provider]
             wire = wire_of(_at(prepared, record.provider), adapter)
+
+    def _not_here(self, record: OperationRecord) -> ConfigurationError:
+        """A routed operation taken over at a provider this executor lacks: nothing was
+        sent, so it is released again (the namespace's next request, on an executor that
+        has the provider, runs it) and the configuration is named."""
+        self.store.transition(
+            record,
+            State.IN_PROGRESS,
+            kind="not_sent",
+            actor=self.owner,
+            detail={"reason": f"provider {record.provider!r} is not configured here"},
+            possibly_sent=False,
+        )
+        return ConfigurationError(
+            f"operation {record.id} stands at provider {record.provider!r}, which this "
+            "executor was not given; nothing was sent: retry the same key"
+        )
 
     def _wire(self, prepared: Prepared, provider: str) -> Mapping[str, Any] | None:
         """What ``provider`` will be sent for ``prepared`` (kept with the move to it)."""

@@ -99,7 +99,8 @@ def claim(
         "owner": owner,
         "lease_s": lease_s,
         "claim_event": json_param(claim_event(owner, claim_detail(new))),
-        "route": json_param(new.route),
+        # SQL NULL when unrouted (no bytes on the row), as the column reads back None.
+        "route": json_param(new.route) if new.route is not None else None,
     }
     gate(engine)  # with PAYORCH_REQUIRE_SYNC_STANDBY: no claim without a synchronous standby
     if is_distributed(engine):

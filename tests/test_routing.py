@@ -415,3 +415,22 @@ def test_a_route_standing_at_a_provider_not_configured_here_is_released_untouche
     out = pay(executor(store, adapters(a.url, b.url)))  # the next request, with B here
     assert out.state is State.SUCCEEDED and out.provider == B
     assert len(money(b)) == 1 and a.ledger() == []
+
+
+def test_an_operators_recheck_of_a_settled_routed_operation_asks_the_providers_it_left(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    from payorch.operator import recheck
+
+    a, b = acquirers
+    providers = adapters(a.url, b.url)
+    a.inject("decline")
+    out = pay(executor(store, providers, declines=("generic_decline",)))
+    rec = reconciler(store, providers, DuplicatePolicy.OPERATOR)
+    assert recheck(store, rec, None, out.operation_id, actor="alice").outcome.endswith("clear")
+    (declined,) = a.ledger()
+    a.overturn(declined["id"])
+    found = recheck(store, rec, "shop", out.operation_id, actor="alice")
+    assert found.outcome == "the providers it left: flagged"
+    assert found.record.needs_attention and not found.before.needs_attention
+    assert len(money(a)) == 1 and len(money(b)) == 1 and money(a, "refund.create") == []

@@ -26,6 +26,7 @@ from ..errors import (
     UnknownProvider,
 )
 from ..records import OperationRecord
+from ..routing import touched
 from ..storage._engine import read_in_transaction, run_in_transaction
 from ..storage._statements import add_event
 from ..storage._store import Store
@@ -237,9 +238,19 @@ def recheck(
     *,
     actor: str = "operator",
 ) -> RecheckResult:
-    """Ask the provider now and apply the evidence, exactly as the reconciler would."""
+    """Ask the provider now and apply the evidence, exactly as the reconciler would; a
+    routed operation that moved on also has every provider it left asked again (a settled
+    one only that)."""
     actor = required_text(actor, "actor", MAX_ACTOR)
     record, now = load(store, tenant_id, operation_id)
+    moved = len(touched(record.route)) > 1
+    if record.terminal and moved:
+        results = reconciler.check_crossings(record)
+        return RecheckResult(
+            outcome="the providers it left: " + ", ".join(results),
+            before=record,
+            record=store.get(record.tenant_id, record.id),
+        )
     if record.terminal:
         raise InvalidTransition(
             f"operation {record.id} is already {record.state.value} (terminal); nothing to check",
@@ -261,6 +272,8 @@ def recheck(
         lease_seconds=reconciler.policy.lease.total_seconds(),
     )
     outcome = reconciler.check(leased, now)
+    if moved:
+        reconciler.check_crossings(record)
     return RecheckResult(
         outcome=outcome, before=record, record=store.get(record.tenant_id, record.id)
     )

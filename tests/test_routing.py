@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import workers
 from cli_helpers import run as cli_run
-from conftest import FAST_TIMEOUT, RecordingSleep, make_due
+from conftest import FAST_TIMEOUT, RecordingSleep, age, make_due
 
 from payorch.core import State
 from payorch.errors import NoRoute, OperationNotFound
@@ -319,8 +319,6 @@ def test_the_stored_route_is_replayed_when_every_provider_was_down(
 def test_not_found_past_the_window_moves_the_unknown_to_the_next_provider(
     store: Store, acquirers: tuple[SandboxServer, SandboxServer]
 ) -> None:
-    from conftest import age
-
     a, b = acquirers
     providers = adapters(a.url, b.url)
     a.inject("error_500_before")  # possibly sent, nothing committed at A
@@ -356,16 +354,28 @@ def test_a_void_the_provider_confirmed_moves_the_authorisation_on(
     rec = Reconciler(
         store=store,
         providers=providers,
-        policy=ReconcilerPolicy(void_after=timedelta(0), not_found_grace=timedelta(0)),
+        policy=ReconcilerPolicy(void_after=timedelta(hours=1), not_found_grace=timedelta(0)),
         owner="reconciler-test",
     )
+    age(store, out.operation_id, timedelta(hours=2))  # A's attempt: past the void deadline
+    make_due(store, out.operation_id)
+    b.inject("error_500_before")  # B's first answer is lost: B's attempt is unknown a while
+    rec.run_until_idle(max_passes=1)
+    moved = store.get("shop", out.operation_id)
+    assert moved.provider == B and moved.state is State.OUTCOME_UNKNOWN
+    # A's reference stays with A's attempt: B's is asked for under B's key alone, and the
+    # void wanted of A is not B's.
+    (held,) = a.ledger()
+    assert attempts_of(moved.route)[0]["reference"] == held["id"]
+    assert moved.provider_reference is None and moved.resolution is None
     make_due(store, out.operation_id)
     rec.run_until_idle()
     done = store.get("shop", out.operation_id)
     assert done.provider == B and done.state is State.SUCCEEDED
     assert attempts_of(done.route)[0]["proof"] == "voided"
     assert [e["status"] for e in a.ledger()] == ["voided"]
-    assert len(money(b)) == 1
+    assert [e["status"] for e in b.ledger()] == ["succeeded"] and len(money(b)) == 1
+    assert done.provider_reference == b.ledger()[0]["id"]
 
 
 def test_an_answer_that_proves_nothing_never_falls_over(

@@ -325,7 +325,8 @@ def _fall_back(
             attempts_delta=1,
             provider=fallback.to,
             downstream_key=fallback.key,
-            route=fallback.moved_route(proof, answer.code),
+            route=fallback.moved_route(proof, answer, record.provider_reference),
+            moved_on=True,
             **values,
         )
     except StaleVersion:

@@ -57,8 +57,13 @@ class Fallback:
             return Proof.LISTED_DECLINE
         return None
 
-    def moved_route(self, proof: Proof, code: str | None) -> dict[str, Any]:
-        return moved(self.route, proof=proof, code=code, to=self.to, key=self.key)
+    def moved_route(self, proof: Proof, answer: Answer, known: str | None) -> dict[str, Any]:
+        """The route once moved on ``answer``'s proof (``known``: the reference the
+        operation held of the attempt left)."""
+        reference = answer.provider_reference or known
+        return moved(
+            self.route, proof=proof, code=answer.code, to=self.to, key=self.key, reference=reference
+        )
 
 
 def fallback_for(

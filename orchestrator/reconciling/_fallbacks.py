@@ -104,7 +104,17 @@ def fall_over(
         checks_delta=1,
         provider=to,
         downstream_key=key,
-        route=moved(record.route, proof=proof, code=code, to=to, key=key),
+        route=moved(
+            record.route,
+            proof=proof,
+            code=code,
+            to=to,
+            key=key,
+            reference=record.provider_reference,
+        ),
+        moved_on=True,
+        # The attempt left is done with: a void wanted of it is not the next one's.
+        resolution=None,
     )
     routing_metrics.fell_back(record.provider, to, proof.value)
     routing_metrics.attempted(to)
@@ -116,7 +126,7 @@ def fall_over(
         owner=rec.owner,
         lease=rec.policy.lease,
         retry=rec.submit_retry,
-        actor_kind="fallback",
+        actor_kind="fallback_submission",
         not_sent_is_final=False,  # an unsent move stays unknown, looked at again
         wire=wire,
     )

@@ -26,7 +26,7 @@ from ..provider import Answer, AnswerKind, Provider, Voider, VoidRequest, can_vo
 from ..records import OperationRecord, Redactor
 from ..routing import Proof
 from ._fallbacks import Reconciler as Mover
-from ._fallbacks import fall_over
+from ._fallbacks import attempt_started, fall_over
 
 __all__ = [
     "RELEASED",
@@ -124,7 +124,9 @@ def void_due(rec: Reconciler, record: OperationRecord, adapter: Provider) -> boo
         return False
     if record.resolution in (VOID_REFUSED, VOID_NOTHING_FOUND):
         return False
-    if rec.store.db_time() - record.created_at < policy.void_after:
+    # A routed operation that moved on: the deadline runs from its current attempt.
+    started = attempt_started(rec.store, record) if record.route else record.created_at
+    if rec.store.db_time() - started < policy.void_after:
         return False
     return void_refusal(record, adapter, policy.void_operations) is None
 

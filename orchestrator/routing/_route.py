@@ -105,13 +105,17 @@ def moved(
     code: str | None,
     to: str,
     key: str,
+    reference: str | None = None,
 ) -> dict[str, Any]:
     """The route after its current attempt was proven not to have executed (``proof``,
-    the answer's ``code``) and the operation moved to provider ``to`` under ``key``."""
+    the answer's ``code``, the provider's ``reference`` of it, a decline's say) and the
+    operation moved to provider ``to`` under ``key``."""
     attempts = attempts_of(route)
     if attempts:
         attempts[-1]["proof"] = proof.value
         if code:
             attempts[-1]["code"] = code
+        if reference:
+            attempts[-1]["reference"] = reference
     attempts.append({"provider": to, "downstream_key": key})
     return {**dict(route), "attempts": attempts}

@@ -76,6 +76,7 @@ class Transitions:
         provider: str = _UNSET,
         downstream_key: str = _UNSET,
         route: Mapping[str, Any] | None = _UNSET,
+        moved_on: bool = False,
         also: Callable[[Connection, OperationRecord], None] | None = None,
         guard: sa.ColumnElement[bool] | None = None,
         first_answer: bool = False,
@@ -87,12 +88,17 @@ class Transitions:
         ``also`` runs in the same transaction (e.g. the webhook inbox row). ``guard`` is an
         extra condition of the UPDATE, judged by the database at write time; when it fails
         the write is refused like a lost compare-and-set. ``provider``, ``downstream_key``
-        and ``route``: a routed operation moving to its next provider (payorch.routing).
+        and ``route``: a routed operation moving to its next provider (payorch.routing),
+        ``moved_on`` then clearing the reference its route now keeps.
         """
         check_transition(record.state, to_state)
         plain: dict[str, Any] = {}
         if provider_reference is not None:  # once known, a reference is never forgotten
             plain["provider_reference"] = provider_reference
+        elif moved_on:
+            # ... by the attempt that made it: a routed operation moving to its next
+            # provider keeps the last one's reference in its route, and starts afresh.
+            plain["provider_reference"] = None
         for name, value in (
             ("response", response),
             ("request", request),

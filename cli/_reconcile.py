@@ -143,6 +143,10 @@ def run_cmd(
     ):
         watch = unexplained_watch(rec, config)  # refused, if it is, before starting
         fallbacks = fallback_watch(rec, config)
+        if config.routing:  # the app's routing table: refused here as at the app's start-up
+            from ..routing import load_router
+
+            load_router(config.routing).check(rec.providers)
         daemon = ReconcilerDaemon(
             rec,
             interval=timedelta(seconds=seconds),

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from payorch.cli import _app
 from payorch.errors import ConfigurationError, NoRoute
 from payorch.execution._executor import Executor
+from payorch.migrate import upgrade
 from payorch.operations import default_registry
 from payorch.provider import AnswerKind
 from payorch.providers.sandbox import SandboxProvider
@@ -200,3 +201,32 @@ def test_routing_check_shows_the_table_or_refuses_it_in_one_line(
     result = runner.invoke(_app.app, ["routing", "check"])
     assert result.exit_code == 1
     assert "unknown provider 'x'" in result.output and "Traceback" not in result.output
+
+
+def test_the_daemon_refuses_a_routing_table_it_cannot_serve_before_it_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PAYORCH_PROVIDERS", raising=False)
+    bad = tmp_path / "routing.json"
+    bad.write_text(
+        json.dumps(
+            {
+                "rules": [
+                    {
+                        "operation": "payment.create",
+                        "providers": ["sandbox", "acquirer_z"],
+                        "split": {"sandbox": 50, "acquirer_z": 50},
+                    }
+                ]
+            }
+        )
+    )
+    monkeypatch.setenv("PAYORCH_ROUTING", str(bad))
+    url = f"sqlite:///{tmp_path / 'daemon.db'}"
+    upgrade(url)
+    result = CliRunner().invoke(
+        _app.app, ["reconcile", "run", "--database-url", url, "--metrics-addr", "off"]
+    )
+    assert result.exit_code == 1
+    assert "unknown provider 'acquirer_z'" in result.output
+    assert "started" not in result.output and "Traceback" not in result.output

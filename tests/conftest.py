@@ -294,6 +294,22 @@ def sandbox() -> Iterator[SandboxServer]:
         yield sb
 
 
+@pytest.fixture
+def acquirers() -> Iterator[tuple[SandboxServer, SandboxServer]]:
+    """Two sandbox acquirers (the routing tests'); the adapters the test opened with
+    ``routing_helpers.adapters`` are closed after it."""
+    import routing_helpers
+
+    try:
+        with (
+            SandboxServer(drop_hold_seconds=2.0) as a,
+            SandboxServer(drop_hold_seconds=2.0, seed=1) as b,
+        ):
+            yield a, b
+    finally:
+        routing_helpers.close_opened()
+
+
 def effects_of(
     sandbox: SandboxServer, store: Store, tenant_id: str, operation_id: str
 ) -> list[dict[str, Any]]:

@@ -56,6 +56,7 @@ PUBLIC: dict[str, list[str]] = {
         "load_router",
         "moved",
         "next_provider",
+        "proves_not_sent",
         "router_from_mapping",
         "touched",
     ],

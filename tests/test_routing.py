@@ -7,14 +7,23 @@ one later is found, flagged and reversed by policy.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
 
 import pytest
 import workers
 from cli_helpers import run as cli_run
 from conftest import FAST_TIMEOUT, RecordingSleep, age, make_due
+from routing_helpers import (
+    OPEN,
+    A,
+    B,
+    adapters,
+    executor,
+    money,
+    pay,
+    reconciler,
+    stopped,
+)
 
 from payorch.core import State
 from payorch.errors import NoRoute, OperationNotFound
@@ -24,93 +33,12 @@ from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.reconciling._crossings import (
     CROSS_DUPLICATE,
     CROSS_REVERSAL,
-    CrossCheck,
     DuplicatePolicy,
 )
 from payorch.reconciling._fallback_watch import FallbackWatch
 from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
 from payorch.routing import Router, Rule, attempts_of
 from payorch.storage._store import Store
-
-A, B = "acquirer_a", "acquirer_b"
-PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
-MONEY = ("succeeded", "processing")
-
-
-@pytest.fixture
-def acquirers() -> Iterator[tuple[SandboxServer, SandboxServer]]:
-    with (
-        SandboxServer(drop_hold_seconds=2.0) as a,
-        SandboxServer(drop_hold_seconds=2.0, seed=1) as b,
-    ):
-        yield a, b
-
-
-_OPEN: list[SandboxProvider] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_adapters() -> Iterator[None]:
-    yield
-    while _OPEN:
-        _OPEN.pop().close()
-
-
-def adapters(a_url: str, b_url: str) -> list[SandboxProvider]:
-    made = [
-        SandboxProvider(base_url=a_url, name=A, timeout=FAST_TIMEOUT),
-        SandboxProvider(base_url=b_url, name=B, timeout=FAST_TIMEOUT),
-    ]
-    _OPEN.extend(made)
-    return made
-
-
-def executor(
-    store: Store, providers: list[SandboxProvider], *, declines: tuple[str, ...] = ()
-) -> Executor:
-    rule = Rule(operation="payment.create", providers=[A, B], name="eu")
-    return Executor(
-        store=store,
-        providers=providers,
-        registry=default_registry(A),
-        lease=timedelta(seconds=60),
-        sleep=RecordingSleep(),
-        router=Router([rule], fallback_declines=declines, health=None),
-    )
-
-
-def reconciler(
-    store: Store, providers: list[SandboxProvider], policy: DuplicatePolicy
-) -> Reconciler:
-    rec = Reconciler(
-        store=store,
-        providers=providers,
-        policy=ReconcilerPolicy(not_found_grace=timedelta(0)),
-        owner="reconciler-test",
-    )
-    refunds = Executor(store=store, providers=providers, owner="reconciler-test")
-    rec.crossings = CrossCheck(
-        store=store,
-        providers=rec.providers,
-        owner=rec.owner,
-        policy=policy,
-        refunds=refunds,
-    )
-    return rec
-
-
-def pay(ex: Executor, key: str = "order-1", **request: Any) -> Any:
-    return ex.execute(
-        tenant_id="shop",
-        operation="payment.create",
-        idempotency_key=key,
-        request={**PAYMENT, **request},
-    )
-
-
-def money(sandbox: SandboxServer, operation: str = "payment.create") -> list[dict[str, Any]]:
-    """The money the acquirer moved for ``operation``: every effect that succeeded."""
-    return [e for e in sandbox.ledger() if e["status"] in MONEY and e["operation"] == operation]
 
 
 def sample(name: str, **labels: str) -> float:
@@ -127,12 +55,6 @@ def routing_counts() -> tuple[float, ...]:
         sample("payorch_route_fallbacks_total", from_provider=A, to_provider=B, proof="not_sent"),
         sample("payorch_route_cross_provider_duplicates_total", provider=A),
     )
-
-
-def stopped() -> str:
-    """The address of an acquirer that is down: nothing listens there any more."""
-    with SandboxServer() as gone:
-        return gone.url
 
 
 def test_first_acquirer_down_second_serves_with_one_effect(
@@ -395,7 +317,7 @@ def test_an_answer_that_proves_nothing_never_falls_over(
     a, b = acquirers
     a.stop()
     unsure = Unsure(base_url=a.url, name=A, timeout=FAST_TIMEOUT)
-    _OPEN.append(unsure)
+    OPEN.append(unsure)
     out = pay(executor(store, [unsure, adapters(a.url, b.url)[1]]))
     assert out.state is State.OUTCOME_UNKNOWN and out.provider == A
     assert [s["provider"] for s in attempts_of(store.get("shop", out.operation_id).route)] == [A]
@@ -444,3 +366,20 @@ def test_an_operators_recheck_of_a_settled_routed_operation_asks_the_providers_i
     assert found.outcome == "the providers it left: flagged"
     assert found.record.needs_attention and not found.before.needs_attention
     assert len(money(a)) == 1 and len(money(b)) == 1 and money(a, "refund.create") == []
+
+
+def test_a_stored_operation_is_answered_after_the_table_stopped_matching_it(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    a, b = acquirers
+    providers = adapters(a.url, b.url)
+    first = pay(executor(store, providers))
+    euro_only = Router([Rule(operation="payment.create", providers=[B], currencies=["GBP"])])
+    later = Executor(
+        store=store, providers=providers, registry=default_registry(A), router=euro_only
+    )
+    again = pay(later)  # the same key: a replay, not "no rule matches"
+    assert again.replayed and again.operation_id == first.operation_id and again.provider == A
+    with pytest.raises(NoRoute):
+        pay(later, "order-2")
+    assert len(money(a)) == 1 and b.ledger() == []

@@ -29,17 +29,30 @@ MOVED = "kind = 'fallback'"
 def upgrade() -> None:
     op.add_column("payorch_operations", sa.Column("route", sa.JSON))
     # Only the moves: small, and written only when an operation moves on.
-    op.create_index(
-        FALLBACKS,
-        "payorch_events",
-        ["created_at", "tenant_id"],
-        postgresql_where=sa.text(MOVED),
-        sqlite_where=sa.text(MOVED),
-    )
+    if op.get_bind().dialect.name == "postgresql":
+        # Built without blocking the writes of a live event log; CONCURRENTLY needs
+        # autocommit.
+        with op.get_context().autocommit_block():
+            op.create_index(
+                FALLBACKS,
+                "payorch_events",
+                ["created_at", "tenant_id"],
+                postgresql_where=sa.text(MOVED),
+                postgresql_concurrently=True,
+                if_not_exists=True,
+            )
+    else:
+        op.create_index(
+            FALLBACKS, "payorch_events", ["created_at", "tenant_id"], sqlite_where=sa.text(MOVED)
+        )
 
 
 def downgrade() -> None:
-    op.drop_index(FALLBACKS, "payorch_events")
+    if op.get_bind().dialect.name == "postgresql":
+        with op.get_context().autocommit_block():
+            op.drop_index(FALLBACKS, "payorch_events", postgresql_concurrently=True)
+    else:
+        op.drop_index(FALLBACKS, "payorch_events")
     # Plain ALTER TABLE on both dialects: a batch rebuild would lose the partial indexes'
     # predicates.
     op.execute("ALTER TABLE payorch_operations DROP COLUMN route")

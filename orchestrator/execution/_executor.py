@@ -24,6 +24,8 @@ from ..core import State, max_backoff_total, validate_key_scope
 from ..errors import (
     ConfigurationError,
     IdempotencyKeyExpired,
+    NoRoute,
+    OperationNotFound,
     OutcomeNotRecorded,
     ProviderUnavailable,
     StorageError,
@@ -115,7 +117,7 @@ class Executor:
         # Routing (payorch.routing): a rule naming a provider not given here, or a split
         # that cannot be, refuses start-up.
         if router is not None:
-            router.check(self.providers)
+            router.check(self.providers, self.registry.types)
         self.router = router
         self.retry = retry or RetryPolicy()
         if lease is None:
@@ -190,7 +192,7 @@ class Executor:
         )
         if not provider and self.router is not None and self.router.routes(operation):
             # Chosen before anything is stored; a request no rule matches stores nothing.
-            prepared = routed(prepared, self.router, self.key_scope)
+            prepared = self._routed(prepared)
             adapter = self.providers[prepared.new.provider]
         elif provider:  # as prepare() reads it: an empty name means the type's default
             adapter = self.provider(provider)
@@ -230,6 +232,26 @@ class Executor:
         finally:
             if leading and flight is not None:
                 self.flights.land(namespace, flight, answered, unavailable)
+
+    def _routed(self, prepared: Prepared) -> Prepared:
+        """``prepared`` with its route; ``NoRoute`` only for a namespace never stored: the
+        routing table may have changed since a stored one was routed, and its retry is
+        answered from it (a replay, the unknown as it stands), never "fix the request"."""
+        assert self.router is not None
+        try:
+            return routed(prepared, self.router, self.key_scope)
+        except NoRoute as refused:
+            new = prepared.new
+            try:
+                stored = self.store.get_by_namespace(
+                    new.tenant_id, new.operation, new.idempotency_key
+                )
+            except OperationNotFound:
+                raise refused from None  # nothing stored, and nothing will be
+            if stored.provider not in self.providers:
+                raise
+            route = stored.route if stored.route is not None else None
+            return replace(prepared, new=replace(new, provider=stored.provider, route=route))
 
     def _join(self, flight: Flight, wait: timedelta) -> Outcome | None:
         """A joiner's answer: the leader's, a replay if settled; None: take the usual path."""
@@ -308,6 +330,14 @@ class Executor:
         """Send the claimed ``record`` and record its answer; a routed one moves on to its
         next provider as long as each attempt is proven not to have executed."""
         visited: set[str] = set()
+        built: dict[str, WireRequest | None] = {}
+
+        def wire_at(name: str) -> WireRequest | None:
+            """What provider ``name`` is sent: built once, kept with the move and sent."""
+            if name not in built:
+                built[name] = wire_of(_at(prepared, name), self.providers[name])
+            return built[name]
+
         if record.route is not None:
             if record.provider not in self.providers:
                 raise self._not_here(record)
@@ -316,8 +346,7 @@ class Executor:
             visited.add(adapter.name)
             fallback = fallback_for(record, self.router, visited, self.providers)
             if fallback is not None:
-                build = functools.partial(self._wire, prepared, fallback.to)
-                fallback = replace(fallback, wire=build)
+                fallback = replace(fallback, wire=functools.partial(_stored, wire_at, fallback.to))
             if record.route is not None:
                 routing_metrics.attempted(adapter.name)
             record = submit_and_record(
@@ -348,7 +377,7 @@ class Executor:
             if not moved:
                 return record
             adapter = self.providers[record.provider]
-            wire = wire_of(_at(prepared, record.provider), adapter)
+            wire = wire_at(record.provider)
 
     def _not_here(self, record: OperationRecord) -> ConfigurationError:
         """A routed operation taken over at a provider this executor lacks: nothing was
@@ -367,10 +396,13 @@ class Executor:
             "executor was not given; nothing was sent: retry the same key"
         )
 
-    def _wire(self, prepared: Prepared, provider: str) -> Mapping[str, Any] | None:
-        """What ``provider`` will be sent for ``prepared`` (kept with the move to it)."""
-        built = wire_of(_at(prepared, provider), self.providers[provider])
-        return built.stored() if built is not None else None
+
+def _stored(
+    wire_at: Callable[[str], WireRequest | None], provider: str
+) -> Mapping[str, Any] | None:
+    """The request ``provider`` will be sent, as a move keeps it."""
+    built = wire_at(provider)
+    return built.stored() if built is not None else None
 
 
 def _at(prepared: Prepared, provider: str) -> Prepared:

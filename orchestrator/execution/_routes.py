@@ -10,9 +10,9 @@ from typing import Any
 from ..core import namespace_ref
 from ..observing import _routing as routing_metrics
 from ..operations import Prepared
-from ..provider import Answer, AnswerKind
+from ..provider import Answer
 from ..records import OperationRecord
-from ..routing import Proof, Router, first_route, key_at, moved, next_provider
+from ..routing import Proof, Router, first_route, key_at, moved, next_provider, proves_not_sent
 
 __all__ = ["Fallback", "fallback_for", "routed"]
 
@@ -51,7 +51,7 @@ class Fallback:
     wire: Callable[[], Mapping[str, Any] | None] | None = field(default=None, compare=False)
 
     def proof(self, answer: Answer) -> Proof | None:
-        if answer.kind is AnswerKind.NOT_SENT:
+        if proves_not_sent(answer):
             return Proof.NOT_SENT
         if self.router.may_fall_back(answer.kind, answer.code):
             return Proof.LISTED_DECLINE

@@ -37,7 +37,7 @@ from ..provider import (
     can_void,
 )
 from ..records import OperationRecord, Redactor
-from ..routing import touched
+from ..routing import key_at, touched
 from ..storage._store import Store
 from ._voids import query_of
 
@@ -56,6 +56,7 @@ CROSS_DUPLICATE = "cross_provider_duplicate"  # the flag: both effects, in one e
 CROSS_REVERSAL = "cross_provider_reversal"  # the later effect voided or refunded
 CROSS_LEFT = "cross_provider_left"  # the policy could not reverse it: the operator decides
 _RACES = 5
+_ACKNOWLEDGED = "acknowledged"  # payorch.operator's acknowledgement of a flag
 _REVERSIBLE = frozenset({"payment.create"})  # what a refund.create can undo
 
 
@@ -86,16 +87,18 @@ class CrossCheck:
     refunds: Executor | None = None
 
     def check(self, record: OperationRecord) -> list[str]:
-        """Ask each earlier attempt's provider; one result per attempt asked: ``clear``,
-        ``pending``, ``unchecked`` (no adapter here, or it cannot be asked), or what the
-        duplicate came to (``flagged``, ``voided``, ``refunded``, ``left_to_operator``…)."""
-        current = (record.provider, record.downstream_key)
+        """Ask each provider the operation left (and each its route passed over as
+        unhealthy: a claim lost in a failover may have been sent there) under that
+        provider's key; one result per provider asked: ``clear``, ``pending``, ``unchecked``
+        (no adapter here, or it cannot be asked), ``busy`` (an executor holds it), or what
+        a duplicate came to (``flagged``, ``voided``, ``refunded``, ``left_to_operator``…)."""
+        if record.state is State.IN_PROGRESS and record.lease_owner not in (None, self.owner):
+            return ["busy"]  # its executor is at work: look again later
         results = []
-        for provider, key in touched(record.route):
-            if (provider, key) == current or not key:
-                continue
+        for provider, key in self.asked(record):
             adapter = self.providers.get(provider)
             if adapter is None or not can_query_status(adapter):
+                self._unchecked(record, provider, "no adapter here that can be asked")
                 results.append("unchecked")
                 continue
             # By its own key only: the operation's reference is the current provider's.
@@ -105,23 +108,38 @@ class CrossCheck:
             try:
                 answer = adapter.query_status(query)
             except Exception as exc:  # noqa: BLE001 - an adapter's bug is evidence of nothing
-                logs.emit(
-                    logs.reconciler_log,
-                    logging.WARNING,
-                    "route.check_failed",
-                    operation_id=record.id,
-                    provider=provider,
-                    error=f"{type(exc).__name__}: {exc}"[:300],
-                )
+                self._unchecked(record, provider, f"{type(exc).__name__}: {exc}"[:300])
                 results.append("unchecked")
                 continue
             answer = Redactor.of(record.request).answer(answer)
-            if answer.kind is AnswerKind.SUCCEEDED:
+            if answer.kind in (AnswerKind.SUCCEEDED, AnswerKind.PENDING):
                 record, result = self._found(record, provider, key, answer)
                 results.append(result)
             else:
-                results.append("pending" if answer.kind is AnswerKind.PENDING else "clear")
+                results.append("clear")
         return results
+
+    @staticmethod
+    def asked(record: OperationRecord) -> list[tuple[str, str]]:
+        """(provider, downstream key) of every provider to ask about ``record``."""
+        current = (record.provider, record.downstream_key)
+        pairs = [p for p in touched(record.route) if p != current and p[1]]
+        for provider in (record.route or {}).get("skipped") or ():
+            key = key_at(record.route or {}, str(provider))
+            if key and (provider, key) not in pairs and (provider, key) != current:
+                pairs.append((str(provider), key))
+        return pairs
+
+    def _unchecked(self, record: OperationRecord, provider: str, why: str) -> None:
+        logs.emit(
+            logs.reconciler_log,
+            logging.WARNING,
+            "route.unchecked",
+            operation_id=record.id,
+            tenant_id=record.tenant_id,
+            provider=provider,
+            reason=why,
+        )
 
     # -- a duplicate -------------------------------------------------------------------
 
@@ -130,11 +148,21 @@ class CrossCheck:
     ) -> tuple[OperationRecord, str]:
         reference = answer.provider_reference
         events = self.store.events(record.tenant_id, record.id)
-        known = any(
-            e.kind == CROSS_DUPLICATE and _late_reference(e.detail) == reference for e in events
-        )
-        if not known:
+        flags = [
+            i
+            for i, e in enumerate(events)
+            if e.kind == CROSS_DUPLICATE and _late_reference(e.detail) == reference
+        ]
+        if not flags:
             record = self._flag(record, provider, key, answer)
+        elif not record.needs_attention and not any(
+            e.kind == _ACKNOWLEDGED for e in events[flags[-1] :]
+        ):
+            # Settled since (a settling write clears flags): the flag stays until a human
+            # acknowledges it, so it is raised again.
+            record = self._flag(record, provider, key, answer)
+        if answer.kind is AnswerKind.PENDING:
+            return record, "flagged"  # not an effect yet: nothing to reverse, look again
         if any(
             e.kind in (CROSS_REVERSAL, CROSS_LEFT)
             and (e.detail or {}).get("provider_reference") == reference
@@ -165,7 +193,7 @@ class CrossCheck:
                     "provider": provider,
                     "downstream_key": key,
                     "provider_reference": answer.provider_reference,
-                    "state": "succeeded",
+                    "state": answer.kind.value,
                     "answered": False,
                     "evidence": answer.evidence(),
                 },
@@ -215,9 +243,13 @@ class CrossCheck:
             except Exception as exc:  # noqa: BLE001 - an adapter's bug is evidence of nothing
                 voided = Answer(kind=AnswerKind.AMBIGUOUS, code=type(exc).__name__)
             note["void"] = voided.evidence()
-            if voided.kind in (AnswerKind.SUCCEEDED, AnswerKind.PENDING):
+            if voided.kind is AnswerKind.SUCCEEDED:
                 self._note(record, CROSS_REVERSAL, {**note, "how": "void"})
                 return "voided"
+            if voided.kind is AnswerKind.PENDING:
+                # Taken, not done: the next look sends the same void (its own key) again.
+                self._note(record, "cross_provider_void_pending", note)
+                return "void_pending"
         refunds = self.refunds
         if (
             record.operation in _REVERSIBLE

@@ -9,6 +9,7 @@ import re
 from collections.abc import Mapping
 
 from ..core import (
+    attempt_ref,
     canonical_idempotency_key,
     downstream_key,
     namespace_ref,
@@ -34,6 +35,7 @@ __all__ = [
     "installation_scope",
     "malformed_tags",
     "not_ours",
+    "routed_at",
     "storable",
 ]
 
@@ -76,14 +78,17 @@ def malformed_tags(tags: Mapping[str, str]) -> str | None:
     return None
 
 
-def foreign_tags(tags: Mapping[str, str], scope: str) -> str | None:
+def foreign_tags(tags: Mapping[str, str], scope: str, provider: str | None = None) -> str | None:
     """Why well-formed tags naming a whole namespace are another installation's: their ref
-    is not the namespace's under ``scope``. None when it is (or there is no ref to tell)."""
+    is neither the namespace's under ``scope`` nor, for an effect listed at ``provider``, a
+    routed attempt's there (payorch.routing). None when it is (or there is no ref to tell)."""
     ref, operation, key = tags.get(TAG_REF), tags.get(TAG_OPERATION), tags.get(TAG_KEY)
     if ref is None or operation is None or key is None:
         return None
     tenant = tags[TAG_TENANT]
     if ref == namespace_ref(tenant, operation, key, scope):
+        return None
+    if provider is not None and routed_at(tags, scope, provider):
         return None
     here = f"key scope {scope!r}" if scope else "no key scope (PAYORCH_KEY_SCOPE unset)"
     if scope and ref == namespace_ref(tenant, operation, key):
@@ -96,14 +101,27 @@ def foreign_tags(tags: Mapping[str, str], scope: str) -> str | None:
     )
 
 
-def not_ours(effect: ProviderEffect, *, key_scope: str | None = None) -> str | None:
-    """Why ``effect`` is not this installation's to judge (no payorch tags, or tags made
-    under another key scope), or None if it is. Malformed tags are ours to report."""
+def routed_at(tags: Mapping[str, str], scope: str, provider: str) -> bool:
+    """Whether well-formed tags are a routed attempt's at ``provider`` (their ref is the
+    attempt's, ``payorch.core.attempt_ref`` of the namespace's and the provider's name)."""
+    ref, operation, key = tags.get(TAG_REF), tags.get(TAG_OPERATION), tags.get(TAG_KEY)
+    if ref is None or operation is None or key is None:
+        return False
+    namespace = namespace_ref(tags[TAG_TENANT], operation, key, scope)
+    return ref == attempt_ref(namespace, provider)
+
+
+def not_ours(
+    effect: ProviderEffect, *, key_scope: str | None = None, provider: str | None = None
+) -> str | None:
+    """Why ``effect`` (listed at ``provider``) is not this installation's to judge (no
+    payorch tags, or tags made under another key scope), or None if it is. Malformed tags
+    are ours to report."""
     if not effect.ours:
         return "it carries no payorch tags"
     if malformed_tags(effect.tags) is not None:
         return None
-    return foreign_tags(effect.tags, installation_scope(key_scope))
+    return foreign_tags(effect.tags, installation_scope(key_scope), provider)
 
 
 def storable(text: str) -> bool:

@@ -8,7 +8,7 @@ confirmed. The request is sent there as the app's adapter builds it from the sto
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from ..core import State
@@ -17,11 +17,11 @@ from ..observing import _logs as logs
 from ..observing import _routing as routing_metrics
 from ..provider import Provider, SubmitRequest, WireRequest
 from ..records import OperationRecord, Redactor
-from ..routing import Proof, attempts_of, key_at, moved, next_provider
+from ..routing import Proof, attempts_of, key_at, moved, next_provider, touched
 from ..storage._store import Store
 from ._policy import ReconcilerPolicy
 
-__all__ = ["attempt_started", "fall_over", "past_window"]
+__all__ = ["attempt_age", "attempt_started", "fall_over", "moved_on", "past_window"]
 
 
 class Reconciler(Protocol):
@@ -36,6 +36,16 @@ class Reconciler(Protocol):
 
     @property
     def _write(self) -> Callable[..., OperationRecord]: ...
+
+
+def moved_on(record: OperationRecord) -> bool:
+    """Whether ``record`` is a routed operation that moved to another provider."""
+    return len(touched(record.route)) > 1
+
+
+def attempt_age(store: Store, record: OperationRecord, now: datetime) -> timedelta:
+    """How long ``record``'s current attempt has been under way by ``now``."""
+    return now - (attempt_started(store, record) if moved_on(record) else record.created_at)
 
 
 def attempt_started(store: Store, record: OperationRecord) -> datetime:
@@ -74,6 +84,9 @@ def fall_over(
         return None
     if Redactor.redacted_at(record.request) is not None:
         return None  # the stored request is not what the app would send
+    if _duplicate_known(rec.store, record):
+        # Money already moved at two providers: a third is no answer. A human decides.
+        return None
     visited = {a["provider"] for a in attempts_of(record.route)}
     to = next_provider(record.route, visited, rec.providers)
     key = key_at(record.route, to) if to is not None else None
@@ -131,6 +144,12 @@ def fall_over(
         wire=wire,
     )
     return f"fell_back_{final.state.value}"
+
+
+def _duplicate_known(store: Store, record: OperationRecord) -> bool:
+    return any(
+        e.kind == "cross_provider_duplicate" for e in store.events(record.tenant_id, record.id)
+    )
 
 
 def _wire(

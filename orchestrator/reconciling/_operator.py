@@ -26,7 +26,6 @@ from ..errors import (
     UnknownProvider,
 )
 from ..records import OperationRecord
-from ..routing import touched
 from ..storage._engine import read_in_transaction, run_in_transaction
 from ..storage._statements import add_event
 from ..storage._store import Store
@@ -243,7 +242,7 @@ def recheck(
     one only that)."""
     actor = required_text(actor, "actor", MAX_ACTOR)
     record, now = load(store, tenant_id, operation_id)
-    moved = len(touched(record.route)) > 1
+    moved = bool(reconciler.crossings.asked(record))
     if record.terminal and moved:
         results = reconciler.check_crossings(record)
         return RecheckResult(

@@ -35,13 +35,13 @@ from ..provider import (
     capabilities_of,
 )
 from ..records import OperationRecord, Redactor
-from ..routing import Proof, touched
+from ..routing import Proof
 from ..storage._store import Store
 from ._crossings import CrossCheck
-from ._fallbacks import fall_over, past_window
+from ._fallbacks import attempt_age, fall_over, past_window
 from ._policy import DEFAULT_CONCURRENCY, ReconcileReport, ReconcilerPolicy
 from ._resends import resend_if_covered
-from ._voids import VOID_REQUESTED, query_of, run_void, void_due
+from ._voids import VOID_REQUESTED, VOID_WANTED, query_of, run_void, void_due
 
 __all__ = ["ReconcileReport", "Reconciler", "ReconcilerPolicy"]
 
@@ -247,7 +247,7 @@ class Reconciler:
             return "lost_race"
         except Exception as exc:  # noqa: BLE001 - one broken operation must not stall the rest
             return self._check_failed(record, now, exc)
-        if len(touched(record.route)) > 1:
+        if CrossCheck.asked(record):  # routed, and moved on or passed a provider over
             self.check_crossings(record)
         return result
 
@@ -413,12 +413,19 @@ class Reconciler:
     def _not_found(
         self, record: OperationRecord, now: datetime, provider: Provider, detail: dict[str, Any]
     ) -> str:
-        age = now - record.created_at
+        age = attempt_age(self.store, record, now)  # a routed one's: since its move
         if age < self.policy.not_found_grace:
             detail["decision"] = "not found within the grace period: wait"
             self._reschedule(record, now, kind="status_query", detail=detail)
             return "not_found_waiting"
-        if record.route is not None and past_window(self, record, provider, now):
+        if (
+            record.route is not None
+            # Nothing of this attempt's is known at the provider (no reference of it, no
+            # void of it wanted or refused): "not found" is all there is.
+            and record.provider_reference is None
+            and record.resolution not in VOID_WANTED
+            and past_window(self, record, provider, now)
+        ):
             # Routed: nothing under its key past the window, no notification: proven not
             # executed there, so its next provider may be asked.
             moved = fall_over(self, record, proof=Proof.NOT_FOUND, detail=detail)

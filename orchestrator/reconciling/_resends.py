@@ -27,6 +27,7 @@ from ..records import OperationRecord, Redactor
 from ..storage._sent import sent_wire
 from ..storage._store import Store
 from ..storage._tables import db_now_plus, operations
+from ._fallbacks import attempt_started, moved_on
 from ._policy import ReconcilerPolicy
 from ._voids import VOID_WANTED
 
@@ -67,8 +68,10 @@ def resend_if_covered(
     wire: WireRequest | None = None
     # Judge the window by the database clock now, not the batch's pick time: earlier
     # checks in the batch may have taken long. The UPDATE in _resend re-checks it.
-    if age is None:
-        age = rec.store.db_time() - record.created_at
+    # A routed operation that moved on: its key at this provider is as old as the move.
+    started = attempt_started(rec.store, record) if moved_on(record) else record.created_at
+    if age is None or started != record.created_at:
+        age = rec.store.db_time() - started
     if record.resolution in VOID_WANTED:
         reason = "a void of it was wanted: never re-sent"
     elif window is None:
@@ -112,6 +115,7 @@ def resend_if_covered(
         wire=wire,
         window=window,
         actor_kind=actor_kind,
+        started=started,
     )
 
 
@@ -126,13 +130,18 @@ def _resend(
     wire: WireRequest | None,
     window: timedelta,
     actor_kind: str,
+    started: datetime,
 ) -> str:
-    """Send the request again under its key, while the window still covers it.
+    """Send the request again under its key, while the window still covers it (the key
+    was first sent at ``started``: the operation's creation, or its move to this provider).
 
     ``payload`` is the stored request, found whole by the caller (no placeholder); ``wire``
     the request the claim kept, sent as it is where there is one.
     """
-    still_covered = operations.c.created_at > db_now_plus(
+    first_sent: Any = operations.c.created_at
+    if started != record.created_at:
+        first_sent = sa.literal(started, type_=operations.c.created_at.type)
+    still_covered = first_sent > db_now_plus(
         sa.literal(-(window - rec.policy.window_margin).total_seconds())
     )
     try:

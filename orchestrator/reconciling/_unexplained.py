@@ -63,6 +63,7 @@ from ..provider import (
     ProviderEffect,
 )
 from ..records import NewOperation, OperationRecord
+from ..routing import touched
 from ..storage._store import Store
 from ._adoption import ADOPTED_EVENT, ADOPTED_RESOLUTION, adopt_released, insert_adopted
 from ._effect_tags import (
@@ -71,6 +72,7 @@ from ._effect_tags import (
     installation_scope,
     malformed_tags,
     not_ours,
+    routed_at,
     storable,
 )
 from ._findings import Finding, ScanReport, Skipped, Verdict
@@ -154,6 +156,27 @@ def _stands_for(record: OperationRecord, effect: ProviderEffect) -> bool:
     return legacy is None or record.id == legacy
 
 
+def _beside_route(
+    record: OperationRecord, provider: str, effect: ProviderEffect, *, routed_effect: bool
+) -> str | None:
+    """Why ``effect`` at ``provider`` is a second effect of ``record``: it was made by a
+    routed attempt (``routed_effect``) or ``record`` is routed, and ``record`` never sent the
+    namespace there under the key the effect was made with (a claim lost in a failover,
+    routed again elsewhere); None when the operation knows it."""
+    if record.route is None and not routed_effect:
+        return None
+    tags = effect.tags
+    seen = effect.downstream_key or (downstream_key(tags[TAG_REF]) if TAG_REF in tags else None)
+    sent = touched(record.route) or [(record.provider, record.downstream_key)]
+    if seen is None or (provider, seen) in sent:
+        return None
+    return (
+        f"a cross-provider duplicate: routed operation {record.id} stands at "
+        f"{record.provider}, and its route never sent it to {provider} under {seen}; "
+        "refund one of the two"
+    )
+
+
 def _says_nothing_sent(record: OperationRecord, effect: ProviderEffect) -> bool:
     """Whether ``record`` denies ``effect``: released (nothing ever sent under it, nobody
     holds it) and not already knowing the effect by its reference."""
@@ -174,14 +197,24 @@ def explain(
         return Finding(
             provider=provider, effect=effect, verdict=Verdict.UNEXPLAINED, refusal=malformed
         )
-    foreign = foreign_tags(effect.tags, scope)
+    foreign = foreign_tags(effect.tags, scope, provider)
     if foreign is not None:
         raise InvalidRequest(f"effect {effect.provider_reference} is not ours: {foreign}")
     released: OperationRecord | None = None
+    routed = routed_at(effect.tags, scope, provider)
     try:
         for how, found in _lookups(store, provider, effect):
             if found is None or not _stands_for(found, effect):
                 continue  # another operation on the same object explains nothing of this one
+            beside = _beside_route(found, provider, effect, routed_effect=routed)
+            if beside is not None:
+                return Finding(
+                    provider=provider,
+                    effect=effect,
+                    verdict=Verdict.UNEXPLAINED,
+                    operation_id=found.id,
+                    refusal=beside,
+                )
             if _says_nothing_sent(found, effect):
                 released = released or found
                 continue
@@ -202,6 +235,11 @@ def explain(
             explained_by="corrupt_row",
         )
     refusal = adoption_refusal(effect, key_scope=scope)
+    if refusal is not None and routed:
+        refusal = (
+            f"made by a routed attempt at {provider} whose operation is gone (a claim lost "
+            "in a failover): its route is not known here; settle it by hand"
+        )
     if released is None:
         return Finding(
             provider=provider, effect=effect, verdict=Verdict.UNEXPLAINED, refusal=refusal
@@ -439,7 +477,7 @@ def scan(
         if tenant_ids is not None and effect.tags.get(TAG_TENANT) not in tenant_ids:
             report.other_tenants += 1  # another shard's: its own reconciler's look judges it
             continue
-        skip = not_ours(effect, key_scope=scope)
+        skip = not_ours(effect, key_scope=scope, provider=lister.name)
         if skip is not None:
             report.not_ours += 1
             report.skipped.append(Skipped(provider=lister.name, effect=effect, reason=skip))

@@ -143,14 +143,19 @@ def run_void(
     """Void a leased operation: mark it, send the void, apply the answer. Returns what
     happened (``voided``, ``void_pending``, ``void_refused``, ``void_unavailable``)."""
     request = VoidRequest(**query_of(record), reason=reason, actor=actor)
-    if record.resolution != VOID_REQUESTED:
+    # Who wanted it: only the policy's own void may move a routed operation on (an
+    # operator's settles it), also when the reconciler sends it again.
+    by_policy = actor == rec.owner
+    if record.resolution == VOID_REQUESTED:
+        by_policy = _asked_by_policy(rec, record)
+    else:
         # Persisted before the call, under the lease this check holds.
         record = rec._write(
             record,
             State.OUTCOME_UNKNOWN,
             kind=VOID_REQUESTED,
             actor=actor,
-            detail={"reason": reason, "void_key": request.void_key},
+            detail={"reason": reason, "void_key": request.void_key, "by_policy": by_policy},
             lease=rec.policy.lease,
             lease_owner=rec.owner,
             resolution=VOID_REQUESTED,
@@ -171,8 +176,7 @@ def run_void(
     detail.pop("possibly_sent", None)
     for _ in range(_MAX_RACES):
         try:
-            # The policy's own void may move a routed operation on; an operator's settles it.
-            return _apply(rec, record, now, answer, dict(detail), may_move=actor == rec.owner)
+            return _apply(rec, record, now, answer, dict(detail), may_move=by_policy)
         except StaleVersion:
             # Written while the void was out (a webhook flagged a race, say): apply the
             # answer to the operation as it stands, while its void is still ours to settle.
@@ -183,6 +187,14 @@ def run_void(
                 )
                 return "lost_race"
     raise StaleVersion(f"operation {record.id} kept changing", operation_id=record.id)
+
+
+def _asked_by_policy(rec: Reconciler, record: OperationRecord) -> bool:
+    """Whether the void in flight was the policy's (its ``void_requested`` event says so)."""
+    if record.route is None:
+        return False  # only a routed operation asks: nothing to read otherwise
+    asked = [e for e in rec.store.events(record.tenant_id, record.id) if e.kind == VOID_REQUESTED]
+    return bool(asked) and bool((asked[-1].detail or {}).get("by_policy"))
 
 
 def _apply(

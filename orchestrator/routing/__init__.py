@@ -19,6 +19,7 @@ from ._route import (
     key_at,
     moved,
     next_provider,
+    proves_not_sent,
     touched,
 )
 from ._rules import Choice, Router, Rule
@@ -37,6 +38,7 @@ __all__ = [
     "load_router",
     "moved",
     "next_provider",
+    "proves_not_sent",
     "router_from_mapping",
     "touched",
 ]

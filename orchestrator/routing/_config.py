@@ -24,11 +24,12 @@ Anything the file gets wrong is one line of ``ConfigurationError``, naming where
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -43,19 +44,23 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+_DAY = 86_400.0
+_MEMBER = re.compile(r"^(_[A-Z]\w*|bool)$")
+
+
 class _Health(_Strict):
-    window_seconds: float = 60.0
-    calls: int = 10
-    min_calls: int = 5
-    failure_ratio: float = 0.5
-    cool_off_seconds: float = 30.0
+    window_seconds: float = Field(default=60.0, gt=0, le=_DAY, allow_inf_nan=False)
+    calls: int = Field(default=10, ge=1, le=10_000)
+    min_calls: int = Field(default=5, ge=1, le=10_000)
+    failure_ratio: float = Field(default=0.5, gt=0, le=1, allow_inf_nan=False)
+    cool_off_seconds: float = Field(default=30.0, ge=0, le=_DAY, allow_inf_nan=False)
 
 
 class _Rule(_Strict):
     operation: str
     providers: list[str]
     name: str = ""
-    split: dict[str, float] | None = None
+    split: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
     currencies: list[str] | None = None
     min_amount: int | None = None
     max_amount: int | None = None
@@ -75,7 +80,9 @@ def router_from_mapping(data: Mapping[str, Any], *, source: str = "routing table
         table = _Table.model_validate(dict(data), strict=False)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "top level"
+        # The path as the file writes it: without the model names of a union's members.
+        where = ".".join(str(p) for p in first["loc"] if not _MEMBER.match(str(p)))
+        where = where or "top level"
         raise ConfigurationError(f"{source}: {where}: {first['msg']}") from None
     health: HealthPolicy | None = None
     if isinstance(table.health, _Health):

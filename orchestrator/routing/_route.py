@@ -22,6 +22,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from ..core import attempt_ref, downstream_key
+from ..provider import Answer, AnswerKind
 from ._rules import Choice
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "key_at",
     "moved",
     "next_provider",
+    "proves_not_sent",
     "touched",
 ]
 
@@ -43,6 +45,18 @@ class Proof(enum.StrEnum):
     LISTED_DECLINE = "listed_decline"  # a final decline whose code the router lists
     VOIDED = "voided"  # the provider confirmed a void under its key
     NOT_FOUND = "not_found_past_window"  # nothing under its key, past the window, no webhook
+
+
+# A provider's "your key is being processed right now" (409): this request did nothing, but
+# another under the key is executing there and may move money.
+_KEY_IN_USE_STATUS = 409
+
+
+def proves_not_sent(answer: Answer) -> bool:
+    """Whether ``answer`` proves that nothing under its key executed: certainly not sent
+    (refused connection, pool time-out, 429, credentials refused, the adapter refusing to
+    build it), and not the provider saying the key is in use (a 409 in flight)."""
+    return answer.kind is AnswerKind.NOT_SENT and answer.status_code != _KEY_IN_USE_STATUS
 
 
 def attempt_key(ref: str, provider: str) -> str:

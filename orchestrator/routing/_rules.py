@@ -74,9 +74,20 @@ class Rule:
     def _currencies(self) -> frozenset[str]:
         return frozenset(c.upper() for c in self.currencies or ())
 
-    def problem(self, known: Collection[str]) -> str | None:
-        """What makes this rule unusable with the providers ``known``, in a few words."""
+    def problem(
+        self, known: Collection[str], operations: Collection[str] | None = None
+    ) -> str | None:
+        """What makes this rule unusable with the providers ``known`` (and the operation
+        types ``operations``, when given), in a few words."""
         where = f"routing rule {self.label!r}"
+        shape = self._shape_problem(where)
+        if shape is not None:
+            return shape
+        if operations is not None and self.operation not in operations:
+            return (
+                f"{where} routes operation {self.operation!r}, which is not registered "
+                f"(registered: {_names(operations)})"
+            )
         unknown = next((repr(p) for p in self.providers if p not in known), "")
         problems = (
             (not self.providers, f"{where} names no provider"),
@@ -101,6 +112,25 @@ class Rule:
                 return problem
         if self.split is not None:
             return _split_problem(where, self.split, self.providers)
+        return None
+
+    def _shape_problem(self, where: str) -> str | None:
+        """A condition of the wrong shape: a lone string where a list of them is meant
+        (it would match by substring, or never), fields that are not a mapping."""
+        for name in ("tenants", "currencies"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, str) or not all(isinstance(v, str) for v in value)
+            ):
+                return f"{where}: {name} must be a list of strings, not {value!r}"
+        if not isinstance(self.fields, Mapping) or not all(
+            isinstance(k, str) and k for k in self.fields
+        ):
+            return f"{where}: fields must map request field names to values"
+        for bound in ("min_amount", "max_amount"):
+            value = getattr(self, bound)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                return f"{where}: {bound} must be an integer (minor units), not {value!r}"
         return None
 
     def order(self, ref: str) -> list[str]:
@@ -197,11 +227,11 @@ class Router:
             self._by_operation.setdefault(rule.operation, ())
             self._by_operation[rule.operation] += (rule,)
 
-    def check(self, known: Collection[str]) -> None:
+    def check(self, known: Collection[str], operations: Collection[str] | None = None) -> None:
         """Refuse (``ConfigurationError``, one line) a rule that cannot route with the
-        providers ``known``."""
+        providers ``known`` (and, when given, the registered operation types)."""
         for rule in self.rules:
-            problem = rule.problem(known)
+            problem = rule.problem(known, operations)
             if problem is not None:
                 raise ConfigurationError(problem)
 

@@ -236,3 +236,37 @@ def test_a_rule_of_the_wrong_shape_is_refused_at_start_up(
     with pytest.raises(ConfigurationError) as caught:
         Executor(store=store, providers=made, registry=default_registry(A), router=Router([routed]))
     assert says in caught.value.message and "\n" not in caught.value.message
+
+
+def test_the_async_executor_routes_as_the_sync_one_does(
+    db_url: str, acquirers: tuple[SandboxServer, SandboxServer], loop_thread: Any
+) -> None:
+    from payorch.execution._async import AsyncExecutor
+    from payorch.operations import default_registry
+    from payorch.storage._async_store import AsyncStore
+
+    a, b = acquirers
+    a.stop()
+    providers = adapters(a.url, b.url)
+    astore = AsyncStore.from_url(db_url)
+    try:
+        ex = AsyncExecutor(
+            store=astore,
+            providers=providers,
+            registry=default_registry(A),
+            router=Router([Rule(operation="payment.create", providers=[A, B])], health=None),
+        )
+        out = loop_thread.run(
+            ex.execute(
+                tenant_id="shop",
+                operation="payment.create",
+                idempotency_key="async-1",
+                request={"amount": 990, "currency": "EUR"},
+            )
+        )
+    finally:
+        for provider in providers:
+            loop_thread.run(provider.aclose())
+        loop_thread.run(astore.close())
+    assert out.state is State.SUCCEEDED and out.provider == B and out.routed
+    assert len(money(b)) == 1 and a.ledger() == []

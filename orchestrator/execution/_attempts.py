@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..routing import Router
     from ._routes import Fallback
 
-__all__ = ["RetryPolicy", "kept_for", "submit_and_record", "wire_of"]
+__all__ = ["RetryPolicy", "built_wire", "kept_for", "submit_and_record", "wire_of"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,10 +61,7 @@ def wire_of(prepared: Prepared, adapter: Provider) -> WireRequest | None:
     only where the adapter can say and the stored request hides nothing (a re-send must
     need nothing that was not stored). None otherwise, and for a request the adapter
     refuses: its ``submit`` gives that refusal after the claim, as ever."""
-    # A Resender (what isinstance(adapter, Resender) checks, without typing's walk of the
-    # protocol on every call).
-    wire_request = getattr(adapter, "wire_request", None)
-    if not callable(wire_request):
+    if not callable(getattr(adapter, "wire_request", None)):
         return None
     if prepared.redactor is None and Redactor.redacted_at(prepared.new.request) is not None:
         return None  # the reconciler's own rule: what hides a value is never re-sent
@@ -78,6 +75,17 @@ def wire_of(prepared: Prepared, adapter: Provider) -> WireRequest | None:
         idempotency_key=new.idempotency_key,
         fingerprint=new.fingerprint,
     )
+    return built_wire(adapter, request)
+
+
+def built_wire(adapter: Provider, request: SubmitRequest) -> WireRequest | None:
+    """What ``adapter`` will send for ``request`` (its ``wire_request``); None where it
+    cannot say, or refuses the request (its ``submit`` then says so, classified)."""
+    # A Resender (what isinstance(adapter, Resender) checks, without typing's walk of the
+    # protocol on every call).
+    wire_request = getattr(adapter, "wire_request", None)
+    if not callable(wire_request):
+        return None
     try:
         built = wire_request(request)
     except (ConfigurationError, InvalidRequest, UnicodeEncodeError):

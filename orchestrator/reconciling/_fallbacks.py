@@ -12,10 +12,10 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from ..core import State
+from ..execution._attempts import built_wire
 from ..execution._executor import RetryPolicy, submit_and_record
-from ..observing import _logs as logs
 from ..observing import _routing as routing_metrics
-from ..provider import Provider, SubmitRequest, WireRequest
+from ..provider import Provider, SubmitRequest
 from ..records import OperationRecord, Redactor
 from ..routing import Proof, attempts_of, key_at, moved, next_provider, touched
 from ..storage._store import Store
@@ -94,7 +94,18 @@ def fall_over(
         return None
     adapter = rec.providers[to]
     payload = dict(record.request)
-    wire = _wire(adapter, record, key, payload)
+    wire = built_wire(
+        adapter,
+        SubmitRequest(
+            tenant_id=record.tenant_id,
+            operation=record.operation,
+            operation_id="",  # not sent: the namespace's key and tags carry no per-claim id
+            downstream_key=key,
+            payload=payload,
+            idempotency_key=record.idempotency_key,
+            fingerprint=record.fingerprint,
+        ),
+    )
     detail.update(
         decision=f"proven not executed ({proof.value}): move to {to}",
         proof=proof.value,
@@ -150,26 +161,3 @@ def _duplicate_known(store: Store, record: OperationRecord) -> bool:
     return any(
         e.kind == "cross_provider_duplicate" for e in store.events(record.tenant_id, record.id)
     )
-
-
-def _wire(
-    adapter: Provider, record: OperationRecord, key: str, payload: dict[str, Any]
-) -> WireRequest | None:
-    wire_request = getattr(adapter, "wire_request", None)
-    if not callable(wire_request):
-        return None
-    request = SubmitRequest(
-        tenant_id=record.tenant_id,
-        operation=record.operation,
-        operation_id="",
-        downstream_key=key,
-        payload=payload,
-        idempotency_key=record.idempotency_key,
-        fingerprint=record.fingerprint,
-    )
-    try:
-        built = wire_request(request)
-    except Exception as exc:  # noqa: BLE001 - sent as submit builds it; never re-sent
-        logs.reconciler_log.warning("%s.wire_request failed: %s", adapter.name, exc)
-        return None
-    return built if isinstance(built, WireRequest) else None

@@ -39,11 +39,21 @@ def check_cmd(
             show_default=False,
         ),
     ] = None,
+    registry: Annotated[
+        str | None,
+        typer.Option(
+            "--registry",
+            help="Your app's Registry (module:attribute), to check the operation types the "
+            "rules name too, as the app's start-up does.",
+            show_default=False,
+        ),
+    ] = None,
     json_: JsonFlag = False,
 ) -> None:
     """Check the routing table against the configured adapters (PAYORCH_PROVIDERS) and
     show its rules in the order they are tried."""
     from ..routing import load_router
+    from ._types import load_registry
 
     path = file or (Path(p) if (p := settings().routing) else None)
     if path is None:
@@ -51,7 +61,8 @@ def check_cmd(
     router = load_router(path)
     providers = build_providers()
     try:
-        router.check({p.name for p in providers})
+        types = load_registry(registry).types if registry is not None else None
+        router.check({p.name for p in providers}, types)
     finally:
         close_adapters(providers)
     rows = [

@@ -91,3 +91,11 @@ def stopped() -> str:
     """The address of an acquirer that is down: nothing listens there any more."""
     with SandboxServer() as gone:
         return gone.url
+
+
+def sample(name: str, **labels: str) -> float:
+    """A metric's value now (0 when never recorded)."""
+    from payorch.observing import _metrics
+
+    assert _metrics.registry is not None
+    return _metrics.registry.get_sample_value(name, labels) or 0.0

@@ -22,6 +22,7 @@ from routing_helpers import (
     money,
     pay,
     reconciler,
+    sample,
     stopped,
 )
 
@@ -39,13 +40,6 @@ from payorch.reconciling._fallback_watch import FallbackWatch
 from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
 from payorch.routing import Router, Rule, attempts_of
 from payorch.storage._store import Store
-
-
-def sample(name: str, **labels: str) -> float:
-    from payorch.observing import _metrics
-
-    assert _metrics.registry is not None
-    return _metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 def routing_counts() -> tuple[float, ...]:

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from conftest import FAST_TIMEOUT, make_due
-from routing_helpers import OPEN, A, B, adapters, executor, money, pay, reconciler
+from routing_helpers import OPEN, A, B, adapters, executor, money, pay, reconciler, sample
 
 from payorch.core import State
-from payorch.errors import ConfigurationError, ProviderUnavailable
+from payorch.errors import ConfigurationError
 from payorch.operator import void as operator_void
 from payorch.provider import Answer, AnswerKind, SubmitRequest, VoidRequest
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
@@ -41,10 +41,14 @@ def test_a_key_in_use_at_the_first_acquirer_is_no_proof_to_move_on(
     a, b = acquirers
     busy = InFlight(base_url=a.url, name=A, timeout=FAST_TIMEOUT)
     OPEN.append(busy)
-    with pytest.raises(ProviderUnavailable):
-        pay(executor(store, [busy, adapters(a.url, b.url)[1]]))
-    record = store.get_by_namespace("shop", "payment.create", "order-1")
-    assert [s["provider"] for s in attempts_of(record.route)] == [A]
+    routed = executor(store, [busy, adapters(a.url, b.url)[1]])
+    out = pay(routed)
+    # Retried at A, still in use there: possibly charging under A's key, so it stays with A
+    # as unknown (the reconciler asks A), never released for a later call to move on.
+    assert out.state is State.OUTCOME_UNKNOWN and out.provider == A
+    assert pay(routed).operation_id == out.operation_id  # the retry: the unknown as it stands
+    record = store.get("shop", out.operation_id)
+    assert [s["provider"] for s in attempts_of(record.route)] == [A] and record.possibly_sent
     assert b.ledger() == [] and a.ledger() == []
 
 
@@ -84,9 +88,11 @@ def test_a_lost_claim_routed_again_elsewhere_is_found_as_a_second_effect(
     (finding,) = report.findings
     assert finding.operation_id == retry.operation_id and not finding.adoptable
     assert finding.refusal is not None and "cross-provider duplicate" in finding.refusal
-    # ... and so does asking the provider the route passed over, from the reconciler.
+    # ... and so does the daemon's look: the route noted the provider it passed over.
     rec = reconciler(store, providers, DuplicatePolicy.OPERATOR)
-    assert rec.check_crossings(store.get("shop", retry.operation_id)) == ["flagged"]
+    watch = FallbackWatch(store=store, crossings=rec.crossings, ages=(timedelta(0),))
+    assert watch.run() == {"flagged": 1}
+    assert store.get("shop", retry.operation_id).needs_attention
 
 
 def _since() -> Any:
@@ -112,7 +118,11 @@ def test_the_flag_outlives_the_settling_of_the_operation(
     assert out.provider == B and out.state is State.OUTCOME_UNKNOWN
     (declined,) = a.ledger()
     a.overturn(declined["id"])
+    # Listed at A before any look: a late effect at a provider the operation left.
+    (late,) = scan(store, providers[0], since=_since(), until=_until()).findings
+    assert late.refusal is not None and "cross-provider duplicate" in late.refusal
     rec = reconciler(store, providers, DuplicatePolicy.REVERSE)
+    counted = sample("payorch_route_cross_provider_duplicates_total", provider=A)
     assert rec.check_crossings(store.get("shop", out.operation_id)) == ["flagged"]
     (held,) = b.ledger()
     b.settle(held["id"])
@@ -122,6 +132,8 @@ def test_the_flag_outlives_the_settling_of_the_operation(
     assert done.state is State.SUCCEEDED and done.needs_attention
     kinds = [e.kind for e in store.events("shop", out.operation_id)]
     assert kinds.count(CROSS_DUPLICATE) == 2 and "cross_provider_reversal" in kinds
+    # One duplicate, counted once, however often its flag is raised.
+    assert sample("payorch_route_cross_provider_duplicates_total", provider=A) == counted + 1
     assert len(money(a)) == 1 and len(money(a, "refund.create")) == 1 and len(money(b)) == 1
 
 
@@ -156,6 +168,31 @@ def test_an_operators_void_never_moves_the_operation_on_even_when_sent_again(
     operator_void(store, rec, "shop", out.operation_id, reason="customer left", actor="alice")
     make_due(store, out.operation_id)
     rec.run_until_idle()  # the void again, by the reconciler: the operator's still
+    done = store.get("shop", out.operation_id)
+    assert done.state is State.FAILED_FINAL and done.provider == A
+    assert [e["status"] for e in a.ledger()] == ["voided"] and b.ledger() == []
+
+
+def test_an_operators_void_over_the_policys_in_flight_one_settles_it_there(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    a, b = acquirers
+    VoidUnsure.voids = 0
+    unsure = VoidUnsure(base_url=a.url, name=A, timeout=FAST_TIMEOUT)
+    OPEN.append(unsure)
+    providers = [unsure, adapters(a.url, b.url)[1]]
+    a.inject("pending")
+    out = pay(executor(store, providers), capture_method="manual")
+    rec = Reconciler(
+        store=store,
+        providers=providers,
+        policy=ReconcilerPolicy(void_after=timedelta(0), not_found_grace=timedelta(0)),
+        owner="reconciler-test",
+    )
+    make_due(store, out.operation_id)
+    rec.run_until_idle(max_passes=1)  # the policy's void: no clear answer, still in flight
+    assert store.get("shop", out.operation_id).resolution == "void_requested"
+    operator_void(store, rec, "shop", out.operation_id, reason="release it", actor="alice")
     done = store.get("shop", out.operation_id)
     assert done.state is State.FAILED_FINAL and done.provider == A
     assert [e["status"] for e in a.ledger()] == ["voided"] and b.ledger() == []

@@ -23,25 +23,27 @@ depends_on = None
 
 
 FALLBACKS = "ix_payorch_events_fallback"
-MOVED = "kind = 'fallback'"
+MOVED = "kind IN ('fallback', 'route_skipped')"
 
 
 def upgrade() -> None:
-    op.add_column("payorch_operations", sa.Column("route", sa.JSON))
-    # Only the moves: small, and written only when an operation moves on.
+    # Only the moves (and routes that passed a provider over): small, written only then.
     if op.get_bind().dialect.name == "postgresql":
-        # Built without blocking the writes of a live event log; CONCURRENTLY needs
-        # autocommit.
+        # Re-runnable: the column commits before the index is built (CONCURRENTLY needs
+        # autocommit), and a build that failed leaves an INVALID index to drop first.
+        op.execute("ALTER TABLE payorch_operations ADD COLUMN IF NOT EXISTS route json")
         with op.get_context().autocommit_block():
+            op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {FALLBACKS}")
+            # Built without blocking the writes of a live event log.
             op.create_index(
                 FALLBACKS,
                 "payorch_events",
                 ["created_at", "tenant_id"],
                 postgresql_where=sa.text(MOVED),
                 postgresql_concurrently=True,
-                if_not_exists=True,
             )
     else:
+        op.add_column("payorch_operations", sa.Column("route", sa.JSON))
         op.create_index(
             FALLBACKS, "payorch_events", ["created_at", "tenant_id"], sqlite_where=sa.text(MOVED)
         )

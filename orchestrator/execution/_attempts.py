@@ -5,6 +5,7 @@ evidence. Shared by the executor and the reconciler's re-sends (``submit_and_rec
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -27,6 +28,7 @@ from ..operations import Prepared
 from ..outcome import decide, late_conflict
 from ..provider import Answer, AnswerKind, Provider, SubmitRequest, WireRequest
 from ..records import OperationRecord, Redactor
+from ..routing import proves_not_sent
 from ..storage._bridge import pause
 from ..storage._store import Store
 
@@ -213,8 +215,12 @@ def submit_and_record(
             "downstream_key": record.downstream_key,
             **answer.evidence(),
         }
-        # A routed operation with somewhere to go moves on at once instead.
-        retryable = answer.kind is AnswerKind.NOT_SENT and not attention and fallback is None
+        # A routed operation with somewhere to go moves on at once instead, on proof.
+        retryable = (
+            answer.kind is AnswerKind.NOT_SENT
+            and not attention
+            and (fallback is None or not proves_not_sent(answer))
+        )
         too_long = (answer.retry_after or 0) > retry.max_delay
         if retryable and attempt < retry.max_attempts and not too_long:
             delay = backoff_delay(
@@ -245,6 +251,15 @@ def submit_and_record(
             sleep(delay)
             attempt += 1
             continue
+        if (
+            router is not None
+            and answer.kind is AnswerKind.NOT_SENT
+            and not proves_not_sent(answer)
+        ):
+            # "Your key is in use" to the last: something may be executing under it there.
+            # A routed operation stays with that provider as possibly sent (its reconciler
+            # asks), never released for a later request to move it on.
+            answer = dataclasses.replace(answer, kind=AnswerKind.AMBIGUOUS)
         proof = fallback.proof(answer) if fallback is not None else None
         if fallback is not None and proof is not None:
             return _fall_back(

@@ -249,7 +249,10 @@ class Executor:
             except OperationNotFound:
                 raise refused from None  # nothing stored, and nothing will be
             if stored.provider not in self.providers:
-                raise
+                raise ConfigurationError(
+                    f"operation {stored.id} stands at provider {stored.provider!r}, which "
+                    "this executor was not given: retry the same key"
+                ) from None
             route = stored.route if stored.route is not None else None
             return replace(prepared, new=replace(new, provider=stored.provider, route=route))
 
@@ -300,6 +303,7 @@ class Executor:
             seen.finished("replayed" if claim.replayed else "existing", started)
             return claim.operation, claim.replayed
         op_id = claim.operation.id
+        self._note_skipped(claim.operation)
         try:
             record = self._submit(prepared, adapter, claim.operation, wire)
         except OutcomeNotRecorded as exc:
@@ -378,6 +382,20 @@ class Executor:
                 return record
             adapter = self.providers[record.provider]
             wire = wire_at(record.provider)
+
+    def _note_skipped(self, record: OperationRecord) -> None:
+        """A route that passed a provider over as unhealthy is noted (``route_skipped``),
+        so the daemon's look asks that provider too: a claim lost in a failover may have
+        been sent there. Only a new route's; a note that cannot be written is logged."""
+        skipped = (record.route or {}).get("skipped")
+        if not skipped or record.version != 1:  # a take-over's route was noted when new
+            return
+        try:
+            self.store.append_event(
+                record, kind="route_skipped", actor=self.owner, detail={"skipped": skipped}
+            )
+        except StorageError as exc:
+            logs.executor_log.warning("route of %s not noted: %s", record.id, exc)
 
     def _not_here(self, record: OperationRecord) -> ConfigurationError:
         """A routed operation taken over at a provider this executor lacks: nothing was

@@ -151,16 +151,16 @@ class CrossCheck:
         flags = [
             i
             for i, e in enumerate(events)
-            if e.kind == CROSS_DUPLICATE and _late_reference(e.detail) == reference
+            if e.kind == CROSS_DUPLICATE and _same_late(e.detail, provider, key, reference)
         ]
         if not flags:
-            record = self._flag(record, provider, key, answer)
+            record = self._flag(record, provider, key, answer, first=True)
         elif not record.needs_attention and not any(
             e.kind == _ACKNOWLEDGED for e in events[flags[-1] :]
         ):
             # Settled since (a settling write clears flags): the flag stays until a human
-            # acknowledges it, so it is raised again.
-            record = self._flag(record, provider, key, answer)
+            # acknowledges it, so it is raised again (counted once, when first found).
+            record = self._flag(record, provider, key, answer, first=False)
         if answer.kind is AnswerKind.PENDING:
             return record, "flagged"  # not an effect yet: nothing to reverse, look again
         if any(
@@ -176,7 +176,7 @@ class CrossCheck:
         return record, self._reverse(record, provider, key, answer)
 
     def _flag(
-        self, record: OperationRecord, provider: str, key: str, answer: Answer
+        self, record: OperationRecord, provider: str, key: str, answer: Answer, *, first: bool
     ) -> OperationRecord:
         detail: dict[str, Any] = {
             "severity": "critical",
@@ -207,6 +207,8 @@ class CrossCheck:
             except StaleVersion:
                 record = self.store.get(record.tenant_id, record.id)
                 continue
+            if not first:
+                return flagged
             if not record.needs_attention:
                 metrics.escalated("cross_provider")
             routing_metrics.cross_provider_duplicate(provider)
@@ -305,10 +307,16 @@ class CrossCheck:
         self.store.append_event(record, kind=kind, actor=self.owner, detail=dict(detail))
 
 
-def _late_reference(detail: Mapping[str, Any] | None) -> str | None:
-    """The later effect's reference a ``cross_provider_duplicate`` event recorded."""
+def _same_late(
+    detail: Mapping[str, Any] | None, provider: str, key: str, reference: str | None
+) -> bool:
+    """Whether a ``cross_provider_duplicate`` event recorded this later effect: the same
+    provider, and its reference (or, with none yet, its key)."""
     for effect in (detail or {}).get("effects") or ():
         if isinstance(effect, Mapping) and not effect.get("answered"):
-            ref = effect.get("provider_reference")
-            return ref if isinstance(ref, str) else None
-    return None
+            if effect.get("provider") != provider:
+                return False
+            if reference is not None:
+                return bool(effect.get("provider_reference") == reference)
+            return bool(effect.get("downstream_key") == key)
+    return False

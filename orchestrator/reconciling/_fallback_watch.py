@@ -1,4 +1,5 @@
-"""The reconciler daemon's scheduled look at the providers routed operations moved away from.
+"""The reconciler daemon's scheduled look at the providers routed operations moved away from
+(or passed over as unhealthy).
 
 A routed operation that settled at its next provider is no longer due for any check, yet
 the provider it left may still surface an effect (an overturned decline, a request that
@@ -21,11 +22,11 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from ..errors import OperationNotFound
+from ..errors import OperationNotFound, PayorchError
 from ..observing import _logs as logs
 from ..storage._engine import read_in_transaction
 from ..storage._store import Store
-from ..storage._tables import events
+from ..storage._tables import WATCHED, events
 from ._crossings import CrossCheck
 
 __all__ = ["DEFAULT_AGES", "FallbackWatch"]
@@ -59,10 +60,10 @@ class FallbackWatch:
         """One look; the results counted (``clear``, ``flagged``, ``voided``, …)."""
         now = self.store.db_time()
         since = self._last or now - self.every
-        self._last = now
         moves: set[tuple[str, str]] = set()
         for age in self.ages:
             moves |= self.moved_between(since - age, now - age)
+        self._last = now  # only once every band was read whole: a failed read is read again
         return self.check(moves)
 
     def moved_between(self, start: datetime, end: datetime) -> set[tuple[str, str]]:
@@ -74,7 +75,7 @@ class FallbackWatch:
         while True:
             query = (
                 sa.select(e.tenant_id, e.operation_id, e.created_at, e.id)
-                .where(e.kind == sa.literal_column("'fallback'"), e.created_at > start)
+                .where(sa.text(WATCHED), e.created_at > start)
                 .where(e.created_at <= end)
                 .order_by(e.created_at, e.id)
                 .limit(self.page)
@@ -96,6 +97,10 @@ class FallbackWatch:
             try:
                 record = self.store.get(tenant_id, operation_id)
             except OperationNotFound:
+                continue
+            except PayorchError as exc:  # unreadable here (corrupt, the database away)
+                logs.reconciler_log.warning("routed operation %s unread: %s", operation_id, exc)
+                counts["check_error"] = counts.get("check_error", 0) + 1
                 continue
             try:
                 results = self.crossings.check(record)

@@ -63,7 +63,6 @@ from ..provider import (
     ProviderEffect,
 )
 from ..records import NewOperation, OperationRecord
-from ..routing import touched
 from ..storage._store import Store
 from ._adoption import ADOPTED_EVENT, ADOPTED_RESOLUTION, adopt_released, insert_adopted
 from ._effect_tags import (
@@ -77,6 +76,7 @@ from ._effect_tags import (
 )
 from ._findings import Finding, ScanReport, Skipped, Verdict
 from ._operator import required_text
+from ._route_effects import beside_route
 
 __all__ = [
     "ADOPTED_EVENT",
@@ -156,27 +156,6 @@ def _stands_for(record: OperationRecord, effect: ProviderEffect) -> bool:
     return legacy is None or record.id == legacy
 
 
-def _beside_route(
-    record: OperationRecord, provider: str, effect: ProviderEffect, *, routed_effect: bool
-) -> str | None:
-    """Why ``effect`` at ``provider`` is a second effect of ``record``: it was made by a
-    routed attempt (``routed_effect``) or ``record`` is routed, and ``record`` never sent the
-    namespace there under the key the effect was made with (a claim lost in a failover,
-    routed again elsewhere); None when the operation knows it."""
-    if record.route is None and not routed_effect:
-        return None
-    tags = effect.tags
-    seen = effect.downstream_key or (downstream_key(tags[TAG_REF]) if TAG_REF in tags else None)
-    sent = touched(record.route) or [(record.provider, record.downstream_key)]
-    if seen is None or (provider, seen) in sent:
-        return None
-    return (
-        f"a cross-provider duplicate: routed operation {record.id} stands at "
-        f"{record.provider}, and its route never sent it to {provider} under {seen}; "
-        "refund one of the two"
-    )
-
-
 def _says_nothing_sent(record: OperationRecord, effect: ProviderEffect) -> bool:
     """Whether ``record`` denies ``effect``: released (nothing ever sent under it, nobody
     holds it) and not already knowing the effect by its reference."""
@@ -206,7 +185,7 @@ def explain(
         for how, found in _lookups(store, provider, effect):
             if found is None or not _stands_for(found, effect):
                 continue  # another operation on the same object explains nothing of this one
-            beside = _beside_route(found, provider, effect, routed_effect=routed)
+            beside = beside_route(store, found, provider, effect, routed_effect=routed)
             if beside is not None:
                 return Finding(
                     provider=provider,

@@ -147,7 +147,8 @@ def run_void(
     # operator's settles it), also when the reconciler sends it again.
     by_policy = actor == rec.owner
     if record.resolution == VOID_REQUESTED:
-        by_policy = _asked_by_policy(rec, record)
+        # Sent again: the policy's only while the policy sends it, and it asked first.
+        by_policy = by_policy and _asked_by_policy(rec, record)
     else:
         # Persisted before the call, under the lease this check holds.
         record = rec._write(

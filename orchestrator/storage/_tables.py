@@ -36,6 +36,7 @@ __all__ = [
     "LISTED",
     "OUTBOX_SEQUENCE",
     "OUTBOX_STATE_VALUES",
+    "WATCHED",
     "StoredJSON",
     "UTCDateTime",
     "db_now",
@@ -61,6 +62,8 @@ TERMINAL_STATE_VALUES = ("succeeded", "failed_final")
 # ix_payorch_operations_created's predicate: true of every row (a literal instant, the same
 # text on both dialects; SQLite compares the stored text, which sorts as the time does).
 LISTED = "created_at > '2000-01-01 00:00:00+00'"
+# ix_payorch_events_fallback's predicate: the events the routing watch reads.
+WATCHED = "kind IN ('fallback', 'route_skipped')"
 
 
 def _tolerant(inner: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
@@ -297,14 +300,15 @@ events = sa.Table(
     sa.PrimaryKeyConstraint("tenant_id", "id", name="pk_payorch_events"),
     sa.Index("ix_payorch_events_operation", "tenant_id", "operation_id", "id"),
     sa.Index("ix_payorch_events_kind", "tenant_id", "kind", "created_at"),
-    # Routed operations' moves to another provider, by time (payorch.routing): the watch
-    # that asks the providers they moved away from reads only these.
+    # Routed operations' moves to another provider, and routes that passed a provider over
+    # as unhealthy, by time (payorch.routing): the watch that asks those providers again
+    # reads only these.
     sa.Index(
         "ix_payorch_events_fallback",
         "created_at",
         "tenant_id",
-        postgresql_where=sa.text("kind = 'fallback'"),
-        sqlite_where=sa.text("kind = 'fallback'"),
+        postgresql_where=sa.text(WATCHED),
+        sqlite_where=sa.text(WATCHED),
     ),
 )
 

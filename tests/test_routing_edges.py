@@ -149,22 +149,26 @@ class VoidUnsure(SandboxProvider):
         return super().void(request)
 
 
+def held_at_a(
+    store: Store, a: SandboxServer, b_url: str, *, void_after: timedelta | None
+) -> tuple[Any, Reconciler]:
+    """A routed manual-capture payment held (pending) at A, whose first void there gets no
+    clear answer; and a reconciler with both acquirers."""
+    VoidUnsure.voids = 0
+    unsure = VoidUnsure(base_url=a.url, name=A, timeout=FAST_TIMEOUT)
+    OPEN.append(unsure)
+    providers = [unsure, adapters(a.url, b_url)[1]]
+    policy = ReconcilerPolicy(void_after=void_after, not_found_grace=timedelta(0))
+    rec = Reconciler(store=store, providers=providers, policy=policy, owner="reconciler-test")
+    a.inject("pending")
+    return pay(executor(store, providers), capture_method="manual"), rec
+
+
 def test_an_operators_void_never_moves_the_operation_on_even_when_sent_again(
     store: Store, acquirers: tuple[SandboxServer, SandboxServer]
 ) -> None:
     a, b = acquirers
-    VoidUnsure.voids = 0
-    unsure = VoidUnsure(base_url=a.url, name=A, timeout=FAST_TIMEOUT)
-    OPEN.append(unsure)
-    providers = [unsure, adapters(a.url, b.url)[1]]
-    a.inject("pending")
-    out = pay(executor(store, providers), capture_method="manual")
-    rec = Reconciler(
-        store=store,
-        providers=providers,
-        policy=ReconcilerPolicy(not_found_grace=timedelta(0)),
-        owner="reconciler-test",
-    )
+    out, rec = held_at_a(store, a, b.url, void_after=None)
     operator_void(store, rec, "shop", out.operation_id, reason="customer left", actor="alice")
     make_due(store, out.operation_id)
     rec.run_until_idle()  # the void again, by the reconciler: the operator's still
@@ -177,18 +181,7 @@ def test_an_operators_void_over_the_policys_in_flight_one_settles_it_there(
     store: Store, acquirers: tuple[SandboxServer, SandboxServer]
 ) -> None:
     a, b = acquirers
-    VoidUnsure.voids = 0
-    unsure = VoidUnsure(base_url=a.url, name=A, timeout=FAST_TIMEOUT)
-    OPEN.append(unsure)
-    providers = [unsure, adapters(a.url, b.url)[1]]
-    a.inject("pending")
-    out = pay(executor(store, providers), capture_method="manual")
-    rec = Reconciler(
-        store=store,
-        providers=providers,
-        policy=ReconcilerPolicy(void_after=timedelta(0), not_found_grace=timedelta(0)),
-        owner="reconciler-test",
-    )
+    out, rec = held_at_a(store, a, b.url, void_after=timedelta(0))
     make_due(store, out.operation_id)
     rec.run_until_idle(max_passes=1)  # the policy's void: no clear answer, still in flight
     assert store.get("shop", out.operation_id).resolution == "void_requested"

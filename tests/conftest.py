@@ -284,13 +284,17 @@ def _missing_servers(terminalreporter: pytest.TerminalReporter) -> None:
 
 # -- the sandbox acquirer on loopback ----------------------------------------------------
 
-FAST_TIMEOUT = httpx.Timeout(connect=1.0, read=0.5, write=1.0, pool=1.0)
+# A loaded CI machine can take well over half a second to answer on loopback: a read
+# time-out shorter than that turns a plain answer into a false "no answer".
+FAST_TIMEOUT = httpx.Timeout(connect=1.0, read=2.0, write=1.0, pool=1.0)
+# A dropped response holds its socket well past the client's read time-out.
+DROP_HOLD_SECONDS = 6.0
 
 
 @pytest.fixture
 def sandbox() -> Iterator[SandboxServer]:
     # drop_hold: a dropped response holds the socket a little longer than the client waits.
-    with SandboxServer(drop_hold_seconds=2.0) as sb:
+    with SandboxServer(drop_hold_seconds=DROP_HOLD_SECONDS) as sb:
         yield sb
 
 
@@ -302,8 +306,8 @@ def acquirers() -> Iterator[tuple[SandboxServer, SandboxServer]]:
 
     try:
         with (
-            SandboxServer(drop_hold_seconds=2.0) as a,
-            SandboxServer(drop_hold_seconds=2.0, seed=1) as b,
+            SandboxServer(drop_hold_seconds=DROP_HOLD_SECONDS) as a,
+            SandboxServer(drop_hold_seconds=DROP_HOLD_SECONDS, seed=1) as b,
         ):
             yield a, b
     finally:

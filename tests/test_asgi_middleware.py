@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import sqlalchemy as sa
-from conftest import FAST_TIMEOUT
+from conftest import DROP_HOLD_SECONDS, FAST_TIMEOUT
 from served_contract import PAYMENT, PROBLEM, ServedContract, Stack, database, post, served_env
 from server_process import ServerProcess, refused_start, uvicorn_command
 from starlette.datastructures import Headers
@@ -40,7 +40,7 @@ APPS = {"plain": "asgi_server:plain_app", "starlette": "asgi_server:starlette_ap
 @pytest.fixture(scope="module")
 def acquirer() -> Iterator[SandboxServer]:
     # drop_hold: a dropped answer holds the socket, then closes it: the call is ambiguous.
-    with SandboxServer(drop_hold_seconds=2.0) as sb:
+    with SandboxServer(drop_hold_seconds=DROP_HOLD_SECONDS) as sb:
         yield sb
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import sqlalchemy as sa
-from conftest import Ledger, create_pg_database
+from conftest import DROP_HOLD_SECONDS, Ledger, create_pg_database
 from django_server import DjangoServer
 
 from payorch import migrate
@@ -56,7 +56,7 @@ class Stack(Ledger):
 @pytest.fixture(scope="module")
 def acquirer() -> Iterator[SandboxServer]:
     # drop_hold: a dropped answer holds the socket, then closes it: the call is ambiguous.
-    with SandboxServer(drop_hold_seconds=2.0) as sb:
+    with SandboxServer(drop_hold_seconds=DROP_HOLD_SECONDS) as sb:
         yield sb
 
 

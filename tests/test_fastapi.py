@@ -22,7 +22,7 @@ from typing import Annotated, Any
 import httpx
 import pytest
 import sqlalchemy as sa
-from conftest import FAST_TIMEOUT, Ledger, create_pg_database
+from conftest import DROP_HOLD_SECONDS, FAST_TIMEOUT, Ledger, create_pg_database
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from fastapi_server import UvicornServer
@@ -68,7 +68,7 @@ class Stack(Ledger):
 @pytest.fixture(scope="module")
 def acquirer() -> Iterator[SandboxServer]:
     # drop_hold: a dropped answer holds the socket, then closes it: the call is ambiguous.
-    with SandboxServer(drop_hold_seconds=2.0) as sb:
+    with SandboxServer(drop_hold_seconds=DROP_HOLD_SECONDS) as sb:
         yield sb
 
 

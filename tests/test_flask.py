@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import sqlalchemy as sa
-from conftest import FAST_TIMEOUT
+from conftest import DROP_HOLD_SECONDS, FAST_TIMEOUT
 from flask import Flask
 from served_contract import (
     PAYMENT,
@@ -42,7 +42,7 @@ SERVER = script_command(TESTS / "flask_server.py")
 @pytest.fixture(scope="module")
 def acquirer() -> Iterator[SandboxServer]:
     # drop_hold: a dropped answer holds the socket, then closes it: the call is ambiguous.
-    with SandboxServer(drop_hold_seconds=2.0) as sb:
+    with SandboxServer(drop_hold_seconds=DROP_HOLD_SECONDS) as sb:
         yield sb
 
 

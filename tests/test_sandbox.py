@@ -317,7 +317,7 @@ def test_rate_limit_commits_nothing() -> None:
 
 
 def test_drop_after_commits_and_holds_the_connection(sandbox: SandboxServer) -> None:
-    with httpx.Client(base_url=sandbox.url, timeout=httpx.Timeout(5.0, read=0.3)) as c:
+    with httpx.Client(base_url=sandbox.url, timeout=httpx.Timeout(5.0, read=2.0)) as c:
         with pytest.raises(httpx.ReadTimeout):
             post(c, "k1", fault="drop_after")
         [entry] = sandbox.ledger()
@@ -336,7 +336,7 @@ def test_reset_after_commits_and_resets(sandbox: SandboxServer, client: httpx.Cl
 def test_stop_cuts_held_connections() -> None:
     sb = SandboxServer(drop_hold_seconds=600)
     sb.start()
-    with httpx.Client(base_url=sb.url, timeout=httpx.Timeout(5.0, read=0.3)) as c:
+    with httpx.Client(base_url=sb.url, timeout=httpx.Timeout(5.0, read=2.0)) as c:
         with pytest.raises(httpx.ReadTimeout):
             post(c, "k1", fault="drop_after")
         idle = post(c, "k2")  # leaves an idle keep-alive connection open too

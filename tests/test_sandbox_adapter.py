@@ -16,13 +16,12 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import FAST_TIMEOUT
 from sandbox_helpers import DK_1, query, request
 
 from payorch.errors import ConfigurationError, ProviderIdempotencyError
 from payorch.provider import Answer, AnswerKind, Provider, SubmitRequest
 from payorch.providers.sandbox import Fault, SandboxProvider, SandboxServer
-
-SHORT_READ = httpx.Timeout(connect=2.0, read=0.3, write=2.0, pool=2.0)
 
 
 @pytest.fixture
@@ -230,7 +229,7 @@ def test_rate_limit_carries_retry_after() -> None:
 
 
 def test_dropped_response_is_ambiguous_and_committed(sandbox: SandboxServer) -> None:
-    with SandboxProvider(base_url=sandbox.url, timeout=SHORT_READ) as provider:
+    with SandboxProvider(base_url=sandbox.url, timeout=FAST_TIMEOUT) as provider:
         sandbox.inject(Fault.DROP_AFTER)
         answer = provider.submit(request())
         assert answer.kind is AnswerKind.AMBIGUOUS

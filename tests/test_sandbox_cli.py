@@ -284,7 +284,7 @@ AT_RATE_ONE: dict[str, tuple[State | None, list[str]]] = {
 
 def _executor(store: Store, url: str) -> tuple[Executor, SandboxProvider]:
     # The deadline bounds a trickled answer; drop_after's hold is 0s so the call ends at once.
-    provider = SandboxProvider(base_url=url, timeout=FAST_TIMEOUT, deadline=timedelta(seconds=2))
+    provider = SandboxProvider(base_url=url, timeout=FAST_TIMEOUT, deadline=timedelta(seconds=4))
     executor = Executor(
         store=store,
         providers=[provider],

@@ -62,7 +62,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "outbox": frozenset({"base", "observing", "storage"}),
     "once": frozenset({"base", "observing", "storage"}),
     # Settlement reports as evidence: stored, then judged as the reconciler judges evidence.
-    "recon": frozenset({"base", "observing", "storage", "execution", "reconciling"}),
+    "recon": frozenset({"base", "observing", "routing", "storage", "execution", "reconciling"}),
     # The adapter kit drives an adapter through a real store, executor and webhook handler.
     "testing": frozenset(
         {"base", "observing", "routing", "storage", "execution", "reconciling", "over"}

@@ -28,17 +28,21 @@ from ..observing import _metrics as metrics
 from ..outcome import settled
 from ..provider import TAG_KEY, TAG_OPERATION, TAG_REF, TAG_TENANT, Answer, AnswerKind
 from ..provider.settlement._rows import Entry
+from ..reconciling._route_effects import known_duplicate
 from ..records import OperationRecord
+from ..routing import key_at
 from ..storage._engine import run_in_transaction
 from ..storage._store import Store
 from ..storage._tables import operations
 from . import _ledger as ledger
+from . import _routed as routed
 
 __all__ = ["RESOLUTION", "ReconPolicy", "RowClass", "Verdict", "judge_pending"]
 
 RESOLUTION = "settlement"  # the resolution of an operation a settlement row settled
 _ATTEMPTS = 3  # an operation that keeps changing under a judgement: judged again
 _PLAIN_BATCH = 500  # rows recorded per transaction when nothing else is written
+MOVED_LOOKBACK = timedelta(days=60)  # ReconPolicy.moved_lookback's default
 
 log = logging.getLogger("payorch.recon")
 
@@ -86,6 +90,10 @@ class ReconPolicy:
     payments: Sequence[str] = ("payment.create",)
     expected: Sequence[str] = ("payment.create", "payment.capture", "refund.create")
     settlement_lag: timedelta = timedelta(days=3)
+    # How far before a report's earliest row a routed operation may have moved away from the
+    # report's provider, its attempt there still booked in the report (a late approval, then
+    # its capture): the moves read to match such rows.
+    moved_lookback: timedelta = MOVED_LOOKBACK
 
 
 @dataclass(frozen=True)
@@ -101,7 +109,13 @@ class Verdict:
 class _Candidates:
     """The operations each row may be the effect of, read in bulk for the whole file."""
 
-    def __init__(self, store: Store, provider: str, rows: Sequence[Mapping[str, Any]]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        provider: str,
+        rows: Sequence[Mapping[str, Any]],
+        lookback: timedelta = MOVED_LOOKBACK,
+    ) -> None:
         refs: set[str] = set()
         keys: set[str] = set()
         for row in rows:
@@ -110,6 +124,10 @@ class _Candidates:
         t = operations.c
         self.by_reference = ledger.by_column(store, provider, t.provider_reference, refs)
         self.by_key = ledger.by_column(store, provider, t.downstream_key, keys)
+        # Keys no operation here holds: maybe an attempt a routed operation moved on from.
+        unheld = keys - self.by_key.keys()
+        since = min(row["booked_at"] for row in rows) - lookback
+        self.left = routed.moved_from(store, provider, unheld, since) if unheld else {}
         self.store = store
 
     def find(
@@ -126,6 +144,9 @@ class _Candidates:
             ("downstream_key", list(self.by_key.get(_tag_key(row) or "", []))),
             # A separate capture's row names its payment's key too: the authorisation.
             ("downstream_key", list(self.by_key.get(_paid_key(row) or "", []))),
+            # An attempt its routed operation moved on from, by the key it was sent with.
+            ("attempt_key", list(self.left.get(row["merchant_reference"] or "", []))),
+            ("attempt_key", list(self.left.get(_tag_key(row) or "", []))),
             ("namespace", self._namespace(row)),
         ]
         # The operation type the row prefers wins over the order it was found in: a separate
@@ -191,6 +212,18 @@ def _same_effect(record: OperationRecord, row: Mapping[str, Any]) -> bool:
     if Entry(row["entry"]) is Entry.CAPTURE:
         refs.add(row["payment_reference"])
     return record.provider_reference is None or record.provider_reference in refs
+
+
+def _crossed(record: OperationRecord, provider: str, row: Mapping[str, Any]) -> dict[str, Any]:
+    """Where the two effects of a namespace stand, when a row of ``provider`` names an
+    operation at another provider."""
+    return {
+        "provider": provider,
+        "reference": row["reference"],
+        "attempt_key": key_at(record.route, provider) if record.route else None,
+        "operation_provider": record.provider,
+        "operation_reference": record.provider_reference,
+    }
 
 
 def _reference_for(record: OperationRecord, row: Mapping[str, Any], policy: ReconPolicy) -> str:
@@ -271,6 +304,8 @@ class Judge:
     def _apply(self, row: Mapping[str, Any], record: OperationRecord, how: str) -> Verdict:
         detail: dict[str, Any] = {"matched_by": how}
         evidence = {"settlement": _summary(row), "matched_by": how}
+        if record.provider != self.provider:
+            return self._elsewhere(row, record, detail, evidence)
         if not _same_effect(record, row):
             detail["references"] = [record.provider_reference, row["reference"]]
             evidence["references"] = detail["references"]
@@ -289,6 +324,23 @@ class Judge:
             evidence["decision"] = "settled with another amount or currency: flagged"
             return self._flag(row, record, RowClass.MISMATCH, detail, evidence)
         return self._record(row, RowClass.MATCHED, record, detail)
+
+    def _elsewhere(
+        self, row: Mapping[str, Any], record: OperationRecord, detail: dict[str, Any],
+        evidence: dict[str, Any],
+    ) -> Verdict:  # fmt: skip
+        """A row of the namespace at a provider its operation is not at (a routed attempt
+        it moved on from, on proof that turned out wrong): never the operation's own effect,
+        never settling it, whatever state it stands in at its provider."""
+        crossed = _crossed(record, self.provider, row)
+        detail["cross_provider"] = evidence["cross_provider"] = crossed
+        refs = {row["reference"], row["payment_reference"]} - {None}
+        if any(known_duplicate(self.store, record, self.provider, r) for r in refs):
+            # The reconciler found it first, flagged it and applied its policy.
+            detail["known"] = "the operation records this cross-provider duplicate"
+            return self._record(row, RowClass.DUPLICATE, record, detail)
+        evidence["decision"] = "an effect at a provider the operation is not at: flagged"
+        return self._flag(row, record, RowClass.DUPLICATE, detail, evidence)
 
     def _record(
         self, row: Mapping[str, Any], klass: RowClass, record: OperationRecord | None,
@@ -390,7 +442,7 @@ def judge_pending(
     rows = ledger.pending(store, provider, account)
     if not rows:
         return []
-    candidates = _Candidates(store, provider, rows)
+    candidates = _Candidates(store, provider, rows, policy.moved_lookback)
     judge = Judge(store, provider, account, policy, actor)
     try:
         verdicts = (judge.judge(row, candidates) for row in rows)

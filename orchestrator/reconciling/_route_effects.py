@@ -11,7 +11,7 @@ from ..routing import touched
 from ..storage._store import Store
 from ._crossings import CROSS_DUPLICATE
 
-__all__ = ["beside_route", "left_behind"]
+__all__ = ["beside_route", "known_duplicate", "left_behind"]
 
 
 def beside_route(
@@ -50,6 +50,22 @@ def left_behind(
     does not name yet; None for a decline, or one already recorded."""
     if effect.kind not in (AnswerKind.SUCCEEDED, AnswerKind.PENDING):
         return None
+    if known_duplicate(store, record, provider, effect.provider_reference):
+        return None
+    return (
+        f"a cross-provider duplicate: routed operation {record.id} moved from {provider} "
+        f"to {record.provider}, and this late effect at {provider} is not recorded on it yet "
+        "(the reconciler's look will flag it); refund one of the two"
+    )
+
+
+def known_duplicate(
+    store: Store, record: OperationRecord, provider: str, reference: str | None
+) -> bool:
+    """Whether ``record``'s own record of a cross-provider duplicate names the effect
+    ``reference`` at ``provider`` (the reconciler found it, and its policy applied)."""
+    if reference is None:
+        return False
     for event in store.events(record.tenant_id, record.id):
         if event.kind != CROSS_DUPLICATE:
             continue
@@ -57,11 +73,7 @@ def left_behind(
             if (
                 isinstance(late, dict)
                 and late.get("provider") == provider
-                and late.get("provider_reference") == effect.provider_reference
+                and late.get("provider_reference") == reference
             ):
-                return None
-    return (
-        f"a cross-provider duplicate: routed operation {record.id} moved from {provider} "
-        f"to {record.provider}, and this late effect at {provider} is not recorded on it yet "
-        "(the reconciler's look will flag it); refund one of the two"
-    )
+                return True
+    return False

@@ -1,0 +1,82 @@
+"""Settlement rows of routed attempts their operations moved on from (payorch.routing).
+
+A routed operation's row holds its current attempt's downstream key only. A report of a
+provider it left names the earlier attempt's key (Adyen's merchant reference, the
+``payorch_ref`` tag), which no row holds. The moves away from a provider are few (each
+followed a proof that its attempt failed), so they are read from the events' partial index
+of moves, back to a bound, and each moved operation's key there is derived from its route.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from ..core import is_namespace_key
+from ..errors import CorruptRecord, OperationNotFound
+from ..records import OperationRecord
+from ..routing import key_at, touched
+from ..storage._engine import read_in_transaction
+from ..storage._store import Store
+from ..storage._tables import WATCHED, events
+
+__all__ = ["moved_from"]
+
+_PAGE = 1000  # moves read per query
+
+
+def moved_from(
+    store: Store, provider: str, keys: Collection[str], since: datetime
+) -> dict[str, list[OperationRecord]]:
+    """The operations that moved away from ``provider`` since ``since`` whose attempt there
+    was sent under one of ``keys`` (a downstream key -> its operation)."""
+    wanted = {k for k in keys if k and is_namespace_key(k)}
+    if not wanted:
+        return {}
+    found: dict[str, list[OperationRecord]] = {}
+    for tenant_id, operation_id in sorted(_moves(store, provider, since)):
+        try:
+            record = store.get(tenant_id, operation_id)
+        except (OperationNotFound, CorruptRecord):
+            continue  # gone, or unreadable: its row stays an orphan, listed
+        key = key_at(record.route, provider) if record.route else None
+        if key in wanted and (provider, key) in touched(record.route):
+            found.setdefault(key, []).append(record)
+    return found
+
+
+def _moves(store: Store, provider: str, since: datetime) -> set[tuple[str, str]]:
+    """(tenant, operation id) of every move away from ``provider`` made after ``since``,
+    read a page at a time."""
+    e = events.c
+    moves: set[tuple[str, str]] = set()
+    after: tuple[datetime, Any] | None = None
+    while True:
+        query = (
+            sa.select(e.tenant_id, e.operation_id, e.created_at, e.id, e.kind, e.detail)
+            .where(sa.text(WATCHED), e.created_at > since)
+            .order_by(e.created_at, e.id)
+            .limit(_PAGE)
+        )
+        if after is not None:
+            query = query.where(sa.tuple_(e.created_at, e.id) > sa.tuple_(*after))
+        rows = read_in_transaction(store.engine, functools.partial(_rows, query))
+        moves.update(
+            (str(row[0]), str(row[1]))
+            for row in rows
+            if row[4] == "fallback"
+            and isinstance(row[5], dict)
+            and row[5].get("from_provider") == provider
+        )
+        if len(rows) < _PAGE:
+            return moves
+        after = (rows[-1][2], rows[-1][3])
+
+
+def _rows(query: sa.Select[Any], conn: Connection) -> list[tuple[Any, ...]]:
+    return [tuple(r) for r in conn.execute(query)]

@@ -11,6 +11,7 @@ from conftest import FAST_TIMEOUT, RecordingSleep
 
 from payorch.execution._executor import Executor
 from payorch.operations import default_registry
+from payorch.provider import STATUS_CAPABILITIES, Capability
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.reconciling._crossings import CrossCheck, DuplicatePolicy
 from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
@@ -37,6 +38,14 @@ def adapters(a_url: str, b_url: str) -> list[SandboxProvider]:
     ]
     OPEN.extend(made)
     return made
+
+
+class WebhookOnly(SandboxProvider):
+    """The sandbox adapter, told it cannot be asked for a status (a webhook-only acquirer)."""
+
+    @property
+    def capabilities(self) -> frozenset[Capability]:
+        return super().capabilities - STATUS_CAPABILITIES
 
 
 def executor(

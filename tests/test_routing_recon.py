@@ -11,14 +11,16 @@ operation at B. Importing calls no provider: both ledgers are counted before and
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
-from routing_helpers import A, B, adapters, executor, money, pay, reconciler
+from routing_helpers import A, B, WebhookOnly, adapters, executor, money, pay, reconciler
 
 from payorch.core import State
+from payorch.outcome import Outcome
 from payorch.providers.sandbox import SandboxServer
 from payorch.recon import ReconPolicy, RowClass, import_report
-from payorch.reconciling._crossings import DuplicatePolicy
+from payorch.reconciling._crossings import CROSS_REVERSAL, DuplicatePolicy
 from payorch.reconciling._fallback_watch import FallbackWatch
 from payorch.routing import key_at
 from payorch.storage._store import Store
@@ -28,7 +30,7 @@ FORMATS = ["stripe", "adyen"]
 
 def moved_then_approved_at_a(
     store: Store, a: SandboxServer, b: SandboxServer, *, b_fault: str | None = None
-) -> tuple[object, dict[str, object]]:
+) -> tuple[Outcome, dict[str, Any]]:
     """A declines (a listed code), the payment moves to B; then A's issuer approves."""
     providers = adapters(a.url, b.url)
     a.inject("decline")
@@ -145,4 +147,25 @@ def test_a_move_further_back_than_the_lookback_is_not_read(
     longer = ReconPolicy(moved_lookback=timedelta(days=120))
     again = import_report(store, report(a, "adyen"), provider=A, format="adyen", policy=longer)
     assert again.verdicts == ()  # every row of the file was judged by the first import
+    assert len(money(a)) == 1 and len(money(b)) == 1
+
+
+def test_a_webhook_only_provider_s_row_is_reversed_by_the_daemon_s_look(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    a, b = acquirers
+    out, late = moved_then_approved_at_a(store, a, b)
+    import_report(store, report(a, "stripe"), provider=A, format="stripe")
+    cannot_ask = WebhookOnly(base_url=a.url, name=A)
+    try:
+        rec = reconciler(store, [cannot_ask, *adapters(a.url, b.url)[1:]], DuplicatePolicy.REVERSE)
+        watch = FallbackWatch(store=store, crossings=rec.crossings, ages=(timedelta(0),))
+        # What the row told stands in for a status query A cannot answer.
+        assert watch.run() == {"refunded": 1}
+    finally:
+        cannot_ask.close()
+    (refund,) = money(a, "refund.create")
+    assert refund["payment_intent"] == late["id"]
+    kinds = [e.kind for e in store.events("shop", out.operation_id)]
+    assert kinds.count("settlement_duplicate") == 1 and kinds.count(CROSS_REVERSAL) == 1
     assert len(money(a)) == 1 and len(money(b)) == 1

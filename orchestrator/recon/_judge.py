@@ -28,6 +28,7 @@ from ..observing import _metrics as metrics
 from ..outcome import settled
 from ..provider import TAG_KEY, TAG_OPERATION, TAG_REF, TAG_TENANT, Answer, AnswerKind
 from ..provider.settlement._rows import Entry
+from ..reconciling._moved import LOOKBACK, moved_from
 from ..reconciling._route_effects import known_duplicate
 from ..records import OperationRecord
 from ..routing import key_at
@@ -35,14 +36,13 @@ from ..storage._engine import run_in_transaction
 from ..storage._store import Store
 from ..storage._tables import operations
 from . import _ledger as ledger
-from . import _routed as routed
 
 __all__ = ["RESOLUTION", "ReconPolicy", "RowClass", "Verdict", "judge_pending"]
 
 RESOLUTION = "settlement"  # the resolution of an operation a settlement row settled
 _ATTEMPTS = 3  # an operation that keeps changing under a judgement: judged again
 _PLAIN_BATCH = 500  # rows recorded per transaction when nothing else is written
-MOVED_LOOKBACK = timedelta(days=60)  # ReconPolicy.moved_lookback's default
+MOVED_LOOKBACK = LOOKBACK  # ReconPolicy.moved_lookback's default
 
 log = logging.getLogger("payorch.recon")
 
@@ -127,7 +127,7 @@ class _Candidates:
         # Keys no operation here holds: maybe an attempt a routed operation moved on from.
         unheld = keys - self.by_key.keys()
         since = min(row["booked_at"] for row in rows) - lookback
-        self.left = routed.moved_from(store, provider, unheld, since) if unheld else {}
+        self.left = moved_from(store, provider, unheld, since) if unheld else {}
         self.store = store
 
     def find(
@@ -220,6 +220,7 @@ def _crossed(record: OperationRecord, provider: str, row: Mapping[str, Any]) -> 
     return {
         "provider": provider,
         "reference": row["reference"],
+        "payment_reference": row["payment_reference"],
         "attempt_key": key_at(record.route, provider) if record.route else None,
         "operation_provider": record.provider,
         "operation_reference": record.provider_reference,

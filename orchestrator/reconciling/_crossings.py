@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +36,7 @@ from ..provider import (
     can_query_status,
     can_void,
 )
-from ..records import OperationRecord, Redactor
+from ..records import EventRecord, OperationRecord, Redactor
 from ..routing import key_at, touched
 from ..storage._store import Store
 from ._voids import query_of
@@ -50,6 +50,8 @@ __all__ = [
     "CROSS_REVERSAL",
     "CrossCheck",
     "DuplicatePolicy",
+    "duplicate_detail",
+    "recorded_late",
 ]
 
 CROSS_DUPLICATE = "cross_provider_duplicate"  # the flag: both effects, in one event
@@ -97,6 +99,14 @@ class CrossCheck:
         results = []
         for provider, key in self.asked(record):
             adapter = self.providers.get(provider)
+            if adapter is not None and not can_query_status(adapter):
+                # It cannot be asked; what it told us (a webhook, a settlement row) stands in.
+                told = recorded_late(self.store.events(record.tenant_id, record.id), provider, key)
+                if told is not None:
+                    answer = Answer(kind=AnswerKind.SUCCEEDED, provider_reference=told)
+                    record, result = self._found(record, provider, key, answer)
+                    results.append(result)
+                    continue
             if adapter is None or not can_query_status(adapter):
                 self._unchecked(record, provider, "no adapter here that can be asked")
                 results.append("unchecked")
@@ -178,27 +188,14 @@ class CrossCheck:
     def _flag(
         self, record: OperationRecord, provider: str, key: str, answer: Answer, *, first: bool
     ) -> OperationRecord:
-        detail: dict[str, Any] = {
-            "severity": "critical",
-            "policy": self.policy.value,
-            "effects": [
-                {
-                    "provider": record.provider,
-                    "downstream_key": record.downstream_key,
-                    "provider_reference": record.provider_reference,
-                    "state": record.state.value,
-                    "answered": True,
-                },
-                {
-                    "provider": provider,
-                    "downstream_key": key,
-                    "provider_reference": answer.provider_reference,
-                    "state": answer.kind.value,
-                    "answered": False,
-                    "evidence": answer.evidence(),
-                },
-            ],
+        late = {
+            "provider": provider,
+            "downstream_key": key,
+            "provider_reference": answer.provider_reference,
+            "state": answer.kind.value,
+            "evidence": answer.evidence(),
         }
+        detail = duplicate_detail(record, late, policy=self.policy.value)
         for _ in range(_RACES):
             try:
                 flagged = self.store.flag_attention(
@@ -320,3 +317,56 @@ def _same_late(
                 return bool(effect.get("provider_reference") == reference)
             return bool(effect.get("downstream_key") == key)
     return False
+
+
+def duplicate_detail(
+    record: OperationRecord, late: Mapping[str, Any], *, policy: str | None
+) -> dict[str, Any]:
+    """A ``cross_provider_duplicate`` event's detail: the operation's own effect (the one
+    its client was answered with) and the ``late`` one (provider, downstream_key,
+    provider_reference, state, evidence) found at a provider it moved away from."""
+    return {
+        "severity": "critical",
+        "policy": policy,
+        "effects": [
+            {
+                "provider": record.provider,
+                "downstream_key": record.downstream_key,
+                "provider_reference": record.provider_reference,
+                "state": record.state.value,
+                "answered": True,
+            },
+            {**late, "answered": False},
+        ],
+    }
+
+
+_SETTLED_ROW = "settlement_duplicate"  # payorch.recon's flag of a row
+
+
+def recorded_late(events: Sequence[EventRecord], provider: str, key: str) -> str | None:
+    """The reference of money at ``provider`` under ``key`` that the operation's events
+    record without a status query (a webhook's ``cross_provider_duplicate``, a settlement
+    row's ``settlement_duplicate`` naming that attempt); None when none does."""
+    for event in reversed(events):
+        detail = event.detail or {}
+        if event.kind == CROSS_DUPLICATE:
+            for late in detail.get("effects") or ():
+                if (
+                    isinstance(late, Mapping)
+                    and not late.get("answered")
+                    and (late.get("provider"), late.get("downstream_key")) == (provider, key)
+                    and late.get("state") == AnswerKind.SUCCEEDED.value
+                    and late.get("provider_reference")
+                ):
+                    return str(late["provider_reference"])
+        elif event.kind == _SETTLED_ROW:
+            crossed = detail.get("cross_provider")
+            if isinstance(crossed, Mapping) and (
+                crossed.get("provider"),
+                crossed.get("attempt_key"),
+            ) == (provider, key):
+                found = crossed.get("payment_reference") or crossed.get("reference")
+                if found:
+                    return str(found)
+    return None

@@ -32,6 +32,7 @@ from ..errors import (
 )
 from ..observing import _logs as logs
 from ..observing import _metrics as metrics
+from ..observing import _routing as routing_metrics
 from ..observing import _tracing as tracing
 from ..outcome import WebhookDelivery, WebhookResult, WebhookStatus, contradicts, settled
 from ..provider import Answer, AnswerKind, Provider, WebhookBatch, WebhookEvent, parse_deliveries
@@ -39,6 +40,9 @@ from ..records import OperationRecord, Redactor
 from ..storage._engine import read_in_transaction, run_in_transaction
 from ..storage._store import Store
 from ..storage._tables import db_now, operations, webhook_inbox
+from ._crossings import CROSS_DUPLICATE, duplicate_detail
+from ._moved import LOOKBACK, moved_from
+from ._route_effects import known_duplicate
 from ._voids import (
     RELEASED,
     VOID_REFUSED,
@@ -205,6 +209,8 @@ class WebhookHandler:
             record = self._find(tenant_id, provider, event)
             if record is None:
                 return inbox.only(WebhookStatus.UNMATCHED, None)
+            if record.provider != provider:
+                return self._left_attempt(inbox, event, record, provider)
             if event.outcome is None and event.lifecycle != VOID_REFUSED:
                 return inbox.only(WebhookStatus.IGNORED, record)
             for _ in range(_MAX_RACES):
@@ -233,6 +239,12 @@ class WebhookHandler:
             found = self.store.find_by_downstream_key(tenant_id, provider, event.downstream_key)
             if found is not None:
                 return found
+            # Or held it: an attempt at a provider a routed operation moved away from.
+            since = self.store.db_time() - LOOKBACK
+            key = event.downstream_key
+            left = moved_from(self.store, provider, [key], since, tenant_id=tenant_id)
+            if left.get(key):
+                return left[key][0]
         op_id = _lookup_id(event.operation_id)
         if op_id is None and event.downstream_key:
             op_id = _lookup_id(operation_id_from_downstream_key(event.downstream_key))
@@ -298,6 +310,38 @@ class WebhookHandler:
         if not record.needs_attention:
             metrics.escalated("conflict")
         return inbox.result(WebhookStatus.CONFLICT, record)
+
+    def _left_attempt(
+        self, inbox: _Inbox, event: WebhookEvent, record: OperationRecord, provider: str
+    ) -> WebhookResult:
+        """An event about an attempt ``record`` moved on from (at ``provider``): never its
+        outcome. Money there is a cross-provider duplicate, flagged critical with both
+        effects (the reconciler's policy reverses it on its next look); anything else is
+        evidence about that attempt."""
+        key = event.downstream_key or ""
+        detail: dict[str, Any] = {
+            "event_id": event.event_id,
+            "event_type": event.event_type,
+            "outcome": event.outcome.value if event.outcome is not None else None,
+            "provider_reference": event.provider_reference,
+            "attempt_at": provider,
+            "downstream_key": key,
+        }
+        money = event.outcome is AnswerKind.SUCCEEDED and event.lifecycle is None
+        if not money or known_duplicate(self.store, record, provider, event.provider_reference):
+            return self._evidence(inbox, record, detail)
+        late = {
+            "provider": provider,
+            "downstream_key": key,
+            "provider_reference": event.provider_reference,
+            "state": AnswerKind.SUCCEEDED.value,
+            "evidence": {"webhook": detail},
+        }
+        flagged = self._flag(
+            inbox, record, duplicate_detail(record, late, policy=None), kind=CROSS_DUPLICATE
+        )
+        routing_metrics.cross_provider_duplicate(provider)
+        return flagged
 
     def _apply(self, inbox: _Inbox, event: WebhookEvent, record: OperationRecord) -> WebhookResult:
         detail: dict[str, Any] = {

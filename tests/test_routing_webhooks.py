@@ -1,0 +1,125 @@
+"""Webhooks from a provider a routed operation moved away from (payorch.routing), on SQLite,
+PostgreSQL and Citus.
+
+The operation moved from acquirer A to B on proof (a listed decline), then A's issuer
+approved after all. A's notifications name A's attempt key, which no operation row holds:
+they are matched to the routed operation by the moves away from A. The decline's is
+evidence about that attempt; the late approval is a cross-provider duplicate, flagged
+critical, never the operation's outcome. Where A cannot be asked (a webhook-only acquirer),
+the reconciler's look takes what A told as its evidence and applies the duplicate policy.
+Effects are counted at both acquirers.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from routing_helpers import (
+    A,
+    B,
+    WebhookOnly,
+    adapters,
+    executor,
+    money,
+    pay,
+    reconciler,
+    sample,
+)
+
+from payorch import WebhookHandler, WebhookStatus
+from payorch.core import State
+from payorch.providers.sandbox import SandboxProvider, SandboxServer
+from payorch.reconciling._crossings import CROSS_DUPLICATE, CROSS_REVERSAL, DuplicatePolicy
+from payorch.reconciling._fallback_watch import FallbackWatch
+from payorch.routing import key_at
+from payorch.storage._store import Store
+
+
+def handler(store: Store, a: SandboxServer) -> WebhookHandler:
+    listener = SandboxProvider(base_url=a.url, name=A, webhook_secret=a.webhook_secret)
+    return WebhookHandler(store=store, providers=[listener])
+
+
+def moved_then_approved(store: Store, a: SandboxServer, b: SandboxServer) -> tuple[str, str]:
+    """A declines (a listed code), the payment moves to B; A's issuer approves after all.
+    The operation id and A's late effect's id."""
+    a.inject("decline")
+    out = pay(executor(store, adapters(a.url, b.url), declines=("generic_decline",)))
+    assert out.state is State.SUCCEEDED and out.provider == B
+    (declined,) = a.ledger()
+    a.overturn(declined["id"])
+    return out.operation_id, declined["id"]
+
+
+def test_the_left_providers_late_approval_is_flagged_never_applied(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    a, b = acquirers
+    op_id, late = moved_then_approved(store, a, b)
+    before = store.get("shop", op_id)
+    duplicates = sample("payorch_route_cross_provider_duplicates_total", provider=A)
+    hooks = handler(store, a)
+
+    decline, approval = a.webhook_deliveries()
+    declined = hooks.handle("shop", A, decline.headers, decline.body)
+    approved = hooks.handle("shop", A, approval.headers, approval.body)
+    again = hooks.handle("shop", A, approval.headers, approval.body)
+
+    # The decline: evidence about A's attempt, kept on the operation; nothing changes.
+    assert (declined.status, declined.operation_id) == (WebhookStatus.RECORDED, op_id)
+    # The approval: money at A beside B's, flagged critical with both effects.
+    assert (approved.status, approved.operation_id) == (WebhookStatus.CONFLICT, op_id)
+    assert again.status is WebhookStatus.DUPLICATE
+    record = store.get("shop", op_id)
+    assert record.needs_attention and record.state is State.SUCCEEDED
+    assert (record.provider, record.provider_reference) == (B, before.provider_reference)
+    (flag,) = [e for e in store.events("shop", op_id) if e.kind == CROSS_DUPLICATE]
+    assert flag.detail is not None and flag.detail["severity"] == "critical"
+    shown = {(e["provider"], e["provider_reference"]) for e in flag.detail["effects"]}
+    assert shown == {(B, before.provider_reference), (A, late)}
+    assert before.route is not None
+    assert [e["downstream_key"] for e in flag.detail["effects"] if e["provider"] == A] == [
+        key_at(before.route, A)
+    ]
+    assert sample("payorch_route_cross_provider_duplicates_total", provider=A) == duplicates + 1
+    assert len(money(a)) == 1 and len(money(b)) == 1  # a webhook moves no money
+
+
+def test_a_webhook_only_provider_s_late_approval_is_reversed_by_the_daemon_s_look(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    a, b = acquirers
+    op_id, late = moved_then_approved(store, a, b)
+    _, approval = a.webhook_deliveries()
+    assert handler(store, a).handle("shop", A, approval.headers, approval.body).operation_id
+    cannot_ask = WebhookOnly(base_url=a.url, name=A)
+    try:
+        rec = reconciler(store, [cannot_ask, *adapters(a.url, b.url)[1:]], DuplicatePolicy.REVERSE)
+        watch = FallbackWatch(store=store, crossings=rec.crossings, ages=(timedelta(0),))
+        counts = watch.run()
+        assert watch.check({("shop", op_id)}) == {"known": 1}  # a second look: nothing more
+    finally:
+        cannot_ask.close()
+
+    assert counts == {"refunded": 1}, counts
+    (refund,) = money(a, "refund.create")
+    assert refund["payment_intent"] == late
+    kinds = [e.kind for e in store.events("shop", op_id)]
+    assert kinds.count(CROSS_DUPLICATE) == 1 and kinds.count(CROSS_REVERSAL) == 1
+    assert len(money(a)) == 1 and len(money(b)) == 1  # both charges stay, one refunded
+
+
+def test_without_what_it_told_a_provider_that_cannot_be_asked_is_unchecked(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    a, b = acquirers
+    op_id, _ = moved_then_approved(store, a, b)
+    cannot_ask = WebhookOnly(base_url=a.url, name=A)
+    try:
+        rec = reconciler(store, [cannot_ask, *adapters(a.url, b.url)[1:]], DuplicatePolicy.REVERSE)
+        assert rec.crossings is not None
+        assert rec.crossings.check(store.get("shop", op_id)) == ["unchecked"]
+    finally:
+        cannot_ask.close()
+    assert not store.get("shop", op_id).needs_attention
+    assert money(a, "refund.create") == [] and len(money(b)) == 1

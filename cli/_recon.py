@@ -239,8 +239,17 @@ def _show_import(result: ImportResult) -> None:
         if verdict.klass.flagged or verdict.klass is recon.RowClass.ORPHAN:
             op = verdict.operation.id if verdict.operation is not None else "no operation"
             extra = verdict.detail.get("references") or verdict.detail.get("mismatch") or ""
+            crossed = verdict.detail.get("cross_provider")
+            if isinstance(crossed, dict):
+                extra = (
+                    f"at {crossed.get('provider')} ({crossed.get('reference')}), the operation "
+                    f"is at {crossed.get('operation_provider')}"
+                )
+            known = bool(verdict.detail.get("known"))
+            if known:
+                extra = f"{extra}; known, already flagged".lstrip("; ")
             line = f"  {verdict.klass.value}: row {verdict.row_key} -> {op} {extra}".rstrip()
-            style = "red" if verdict.klass.flagged else ""
+            style = "red" if verdict.klass.flagged and not known else ""
             console.print(Text(render.printable(line), style=style))
 
 

@@ -7,16 +7,18 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import sqlalchemy as sa
 from conftest import FAST_TIMEOUT, RecordingSleep
 
 from payorch.execution._executor import Executor
 from payorch.operations import default_registry
-from payorch.provider import STATUS_CAPABILITIES, Capability
+from payorch.provider import STATUS_CAPABILITIES, AnswerKind, Capability
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.reconciling._crossings import CrossCheck, DuplicatePolicy
 from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
-from payorch.routing import Router, Rule
+from payorch.routing import HealthPolicy, Router, Rule
 from payorch.storage._store import Store
+from payorch.storage._tables import events, operations
 
 A, B = "acquirer_a", "acquirer_b"
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer": "cus_7"}
@@ -94,6 +96,33 @@ def pay(ex: Executor, key: str = "order-1", **request: Any) -> Any:
 def money(sandbox: SandboxServer, operation: str = "payment.create") -> list[dict[str, Any]]:
     """The money the acquirer moved for ``operation``: every effect that succeeded."""
     return [e for e in sandbox.ledger() if e["status"] in MONEY and e["operation"] == operation]
+
+
+def lose(store: Store, operation_id: str) -> None:
+    """What an asynchronous replica's promotion does to a committed claim: gone."""
+    with store.engine.begin() as conn:
+        conn.execute(sa.delete(events).where(events.c.operation_id == operation_id))
+        conn.execute(sa.delete(operations).where(operations.c.id == operation_id))
+
+
+def lost_then_routed_past_a(store: Store, providers: list[SandboxProvider]) -> tuple[Any, Any]:
+    """A payment charged at A whose claim a failover loses; the client's retry, A looking
+    unhealthy here meanwhile, routed to B first: charged at both (a double fault). The
+    first outcome and the retry's."""
+    first = pay(executor(store, providers))
+    assert first.provider == A
+    lose(store, first.operation_id)
+    router = Router(
+        [Rule(operation="payment.create", providers=[A, B])],
+        health=HealthPolicy(calls=2, min_calls=2),
+        clock=lambda: 0.0,
+    )
+    for _ in range(2):
+        router.health.observe(A, AnswerKind.NOT_SENT)
+    again = Executor(store=store, providers=providers, registry=default_registry(A), router=router)
+    retry = pay(again)
+    assert retry.provider == B and retry.operation_id != first.operation_id
+    return first, retry
 
 
 def stopped() -> str:

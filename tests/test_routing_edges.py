@@ -9,9 +9,19 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 from conftest import FAST_TIMEOUT, make_due
-from routing_helpers import OPEN, A, B, adapters, executor, money, pay, reconciler, sample
+from routing_helpers import (
+    OPEN,
+    A,
+    B,
+    adapters,
+    executor,
+    lost_then_routed_past_a,
+    money,
+    pay,
+    reconciler,
+    sample,
+)
 
 from payorch.core import State
 from payorch.errors import ConfigurationError
@@ -22,9 +32,8 @@ from payorch.reconciling._crossings import CROSS_DUPLICATE, DuplicatePolicy
 from payorch.reconciling._fallback_watch import FallbackWatch
 from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
 from payorch.reconciling._unexplained import scan
-from payorch.routing import HealthPolicy, Router, Rule, attempts_of, router_from_mapping
+from payorch.routing import Router, Rule, attempts_of, router_from_mapping
 from payorch.storage._store import Store
-from payorch.storage._tables import events, operations
 
 
 class InFlight(SandboxProvider):
@@ -52,36 +61,13 @@ def test_a_key_in_use_at_the_first_acquirer_is_no_proof_to_move_on(
     assert b.ledger() == [] and a.ledger() == []
 
 
-def lose(store: Store, operation_id: str) -> None:
-    """What an asynchronous replica's promotion does to a committed claim: gone."""
-    with store.engine.begin() as conn:
-        conn.execute(sa.delete(events).where(events.c.operation_id == operation_id))
-        conn.execute(sa.delete(operations).where(operations.c.id == operation_id))
-
-
 def test_a_lost_claim_routed_again_elsewhere_is_found_as_a_second_effect(
     store: Store, acquirers: tuple[SandboxServer, SandboxServer]
 ) -> None:
     a, b = acquirers
     providers = adapters(a.url, b.url)
-    first = pay(executor(store, providers))
-    assert first.provider == A
-    lose(store, first.operation_id)
     # Meanwhile A looks unhealthy here: the retry of the same key is routed to B first.
-    now = [0.0]
-    router = Router(
-        [Rule(operation="payment.create", providers=[A, B])],
-        health=HealthPolicy(calls=2, min_calls=2),
-        clock=lambda: now[0],
-    )
-    for _ in range(2):
-        router.health.observe(A, AnswerKind.NOT_SENT)
-    from payorch.execution._executor import Executor
-    from payorch.operations import default_registry
-
-    again = Executor(store=store, providers=providers, registry=default_registry(A), router=router)
-    retry = pay(again)
-    assert retry.provider == B and retry.operation_id != first.operation_id
+    _, retry = lost_then_routed_past_a(store, providers)
     assert len(money(a)) == 1 and len(money(b)) == 1  # the double fault charged twice
     # The look for effects no operation explains names it, with both operations' story.
     report = scan(store, providers[0], since=_since(), until=_until())

@@ -17,6 +17,8 @@ import pytest
 from routing_helpers import A, B, WebhookOnly, adapters, executor, money, pay, reconciler
 
 from payorch.core import State
+from payorch.execution._executor import Executor
+from payorch.operations import default_registry
 from payorch.outcome import Outcome
 from payorch.providers.sandbox import SandboxServer
 from payorch.recon import ReconPolicy, RowClass, import_report
@@ -134,20 +136,39 @@ def test_a_duplicate_the_reconciler_already_reversed_is_not_flagged_again(
     assert len(money(a)) == 1 and len(money(b)) == 1 and late["id"] == refund["payment_intent"]
 
 
-def test_a_move_further_back_than_the_lookback_is_not_read(
-    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+@pytest.mark.parametrize(
+    ("lookback", "found"), [(None, "orphan"), (timedelta(days=120), "duplicate")]
+)
+def test_the_moves_are_read_back_as_far_as_the_lookback(
+    store: Store,
+    acquirers: tuple[SandboxServer, SandboxServer],
+    lookback: timedelta | None,
+    found: str,
 ) -> None:
     a, b = acquirers
     a.advance(timedelta(days=90))  # A books its effects 90 days after the move
     moved_then_approved_at_a(store, a, b)
-    result = import_report(store, report(a, "adyen"), provider=A, format="adyen")
-    # The default lookback (60 days) does not reach the move: its key is held by no one.
-    assert ReconPolicy().moved_lookback < timedelta(days=90)
-    assert result.counts == {"orphan": 1, "other": 1}, result.counts
-    longer = ReconPolicy(moved_lookback=timedelta(days=120))
-    again = import_report(store, report(a, "adyen"), provider=A, format="adyen", policy=longer)
-    assert again.verdicts == ()  # every row of the file was judged by the first import
+    policy = ReconPolicy() if lookback is None else ReconPolicy(moved_lookback=lookback)
+    # The default (60 days) does not reach the move: its key is held by no one.
+    assert (policy.moved_lookback > timedelta(days=90)) is (found == "duplicate")
+    result = import_report(store, report(a, "adyen"), provider=A, format="adyen", policy=policy)
+    assert result.counts == {found: 1, "other": 1}, result.counts
     assert len(money(a)) == 1 and len(money(b)) == 1
+
+
+def test_an_unrouted_operation_found_by_its_tags_is_judged_as_before(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    a, _ = acquirers
+    (at_a, *_) = adapters(a.url, a.url)
+    plain = Executor(store=store, providers=[at_a], registry=default_registry(A))
+    out = pay(plain)
+    assert out.state is State.SUCCEEDED and not out.routed
+    # The same report imported under another provider's name: found by its namespace tags.
+    result = import_report(store, report(a, "stripe"), provider=B, format="stripe")
+    assert result.counts == {"matched": 1, "other": 1}, result.counts
+    assert not store.get("shop", out.operation_id).needs_attention
+    assert len(money(a)) == 1
 
 
 def test_a_webhook_only_provider_s_row_is_reversed_by_the_daemon_s_look(

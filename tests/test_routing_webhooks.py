@@ -12,6 +12,9 @@ Effects are counted at both acquirers.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 from routing_helpers import (
@@ -20,6 +23,7 @@ from routing_helpers import (
     WebhookOnly,
     adapters,
     executor,
+    lost_then_routed_past_a,
     money,
     pay,
     reconciler,
@@ -28,6 +32,7 @@ from routing_helpers import (
 
 from payorch import WebhookHandler, WebhookStatus
 from payorch.core import State
+from payorch.provider import WebhookEvent
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.reconciling._crossings import CROSS_DUPLICATE, CROSS_REVERSAL, DuplicatePolicy
 from payorch.reconciling._fallback_watch import FallbackWatch
@@ -123,3 +128,102 @@ def test_without_what_it_told_a_provider_that_cannot_be_asked_is_unchecked(
         cannot_ask.close()
     assert not store.get("shop", op_id).needs_attention
     assert money(a, "refund.create") == [] and len(money(b)) == 1
+
+
+class ReportsCaptures(SandboxProvider):
+    """The sandbox adapter, its events read as reports on a capture (as Adyen's CAPTURE
+    notifications name the operation type they report on)."""
+
+    def _event_from(self, event: object, headers: Mapping[str, str]) -> WebhookEvent:
+        return dataclasses.replace(super()._event_from(event, headers), operation="payment.capture")
+
+
+def test_an_event_of_another_kind_under_the_left_key_is_evidence_not_money(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    a, b = acquirers
+    op_id, _ = moved_then_approved(store, a, b)
+    duplicates = sample("payorch_route_cross_provider_duplicates_total", provider=A)
+    listener = ReportsCaptures(base_url=a.url, name=A, webhook_secret=a.webhook_secret)
+    hooks = WebhookHandler(store=store, providers=[listener])
+    _, approval = a.webhook_deliveries()
+    result = hooks.handle("shop", A, approval.headers, approval.body)
+    listener.close()
+    assert (result.status, result.operation_id) == (WebhookStatus.RECORDED, op_id)
+    record = store.get("shop", op_id)
+    assert not record.needs_attention and record.state is State.SUCCEEDED
+    assert CROSS_DUPLICATE not in [e.kind for e in store.events("shop", op_id)]
+    assert sample("payorch_route_cross_provider_duplicates_total", provider=A) == duplicates
+    assert len(money(a)) == 1 and len(money(b)) == 1
+
+
+def test_a_late_approval_while_the_next_call_is_in_flight_never_fences_it_out(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    a, b = acquirers
+    a.inject("decline")
+    ex = executor(store, adapters(a.url, b.url), declines=("generic_decline",))
+    with b.hold_commits() as gate, ThreadPoolExecutor(1) as pool:
+        paying = pool.submit(pay, ex)
+        assert gate.wait_held(1, 30)  # B's call is at B: the operation is held, in progress
+        (declined,) = a.ledger()
+        a.overturn(declined["id"])
+        _, approval = a.webhook_deliveries()
+        result = handler(store, a).handle("shop", A, approval.headers, approval.body)
+        held = store.get("shop", result.operation_id or "")
+        assert held.state is State.IN_PROGRESS and held.provider == B
+        gate.release()
+        out = paying.result(timeout=60)
+    # The webhook kept its evidence without writing the row: B's answer was recorded.
+    assert result.status is WebhookStatus.CONFLICT
+    assert out.state is State.SUCCEEDED and out.provider == B and not out.replayed
+    assert [e.kind for e in store.events("shop", out.operation_id)].count(CROSS_DUPLICATE) == 1
+    # The daemon's look raises the flag from it, and its policy reverses A's charge.
+    rec = reconciler(store, adapters(a.url, b.url), DuplicatePolicy.REVERSE)
+    watch = FallbackWatch(store=store, crossings=rec.crossings, ages=(timedelta(0),))
+    assert watch.run() == {"refunded": 1}
+    assert store.get("shop", out.operation_id).needs_attention
+    assert len(money(a)) == 1 and len(money(b)) == 1 and len(money(a, "refund.create")) == 1
+
+
+def test_the_flag_outlives_the_next_providers_settling_webhook(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    a, b = acquirers
+    a.inject("decline")
+    b.inject("drop_after")
+    out = pay(executor(store, adapters(a.url, b.url), declines=("generic_decline",)))
+    assert out.state is State.OUTCOME_UNKNOWN and out.provider == B
+    (declined,) = a.ledger()
+    a.overturn(declined["id"])
+    _, approval = a.webhook_deliveries()
+    flagged = handler(store, a).handle("shop", A, approval.headers, approval.body)
+    assert flagged.status is WebhookStatus.CONFLICT
+    assert store.get("shop", out.operation_id).state is State.OUTCOME_UNKNOWN
+
+    (b_success,) = b.webhook_deliveries()
+    listener = SandboxProvider(base_url=b.url, name=B, webhook_secret=b.webhook_secret)
+    settled = WebhookHandler(store=store, providers=[listener]).handle(
+        "shop", B, b_success.headers, b_success.body
+    )
+    listener.close()
+    assert settled.status is WebhookStatus.APPLIED
+    record = store.get("shop", out.operation_id)
+    assert record.state is State.SUCCEEDED and record.provider_reference != declined["id"]
+    assert record.needs_attention  # the cross-provider flag stays until acknowledged
+    assert len(money(a)) == 1 and len(money(b)) == 1
+
+
+def test_a_provider_passed_over_as_unhealthy_is_matched_by_its_note(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    a, b = acquirers
+    _, retry = lost_then_routed_past_a(store, adapters(a.url, b.url))
+    assert len(money(a)) == 1 and len(money(b)) == 1
+
+    (success,) = a.webhook_deliveries()
+    result = handler(store, a).handle("shop", A, success.headers, success.body)
+
+    assert (result.status, result.operation_id) == (WebhookStatus.CONFLICT, retry.operation_id)
+    assert store.get("shop", retry.operation_id).needs_attention
+    assert len(money(a)) == 1 and len(money(b)) == 1

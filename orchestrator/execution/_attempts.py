@@ -326,7 +326,11 @@ def _fall_back(
     the next attempt possibly sent, the lease renewed, in one fenced write."""
     attention = bool(detail.pop("attention", False))
     detail.update(
-        proof=proof.value, from_provider=provider, to_provider=fallback.to, to_key=fallback.key
+        proof=proof.value,
+        from_provider=provider,
+        from_key=record.downstream_key,  # what the left provider's webhooks and reports name
+        to_provider=fallback.to,
+        to_key=fallback.key,
     )
     wire = fallback.wire() if fallback.wire is not None else None
     if wire is not None:

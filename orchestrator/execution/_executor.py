@@ -40,7 +40,7 @@ from ..operations import Prepared, Registry, default_registry
 from ..outcome import Outcome
 from ..provider import Provider, WireRequest
 from ..records import OperationRecord
-from ..routing import Router
+from ..routing import Router, key_at
 from ..storage._bridge import bridged
 from ..storage._store import Store
 from ._attempts import RetryPolicy, kept_for, submit_and_record, wire_of
@@ -391,8 +391,14 @@ class Executor:
         if not skipped or record.version != 1:  # a take-over's route was noted when new
             return
         try:
+            # The key each one would have been sent under: a webhook or a report row
+            # naming it finds this operation (payorch.reconciling's look-up of left keys).
+            keys = {str(p): key_at(record.route or {}, str(p)) for p in skipped}
             self.store.append_event(
-                record, kind="route_skipped", actor=self.owner, detail={"skipped": skipped}
+                record,
+                kind="route_skipped",
+                actor=self.owner,
+                detail={"skipped": skipped, "keys": keys},
             )
         except StorageError as exc:
             logs.executor_log.warning("route of %s not noted: %s", record.id, exc)

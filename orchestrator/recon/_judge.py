@@ -2,7 +2,9 @@
 
 Each row that is an effect payorch makes (a capture, a refund) is matched to an operation
 by the provider's reference, then by payorch's downstream key (Adyen's merchant reference),
-then by the payorch tags its metadata columns carry; then classified (:class:`RowClass`).
+then by the key of an attempt a routed operation moved away from, then by the payorch tags
+its metadata columns carry; then classified (:class:`RowClass`). A row of an attempt its
+routed operation left is never that operation's effect: a cross-provider duplicate.
 What it proves is applied to the operation in the transaction that records the row's class:
 an unknown operation is settled as a status query's evidence would settle it (audited as
 ``resolution=settlement``); a final state it contradicts is flagged, never rewritten; a
@@ -28,10 +30,11 @@ from ..observing import _metrics as metrics
 from ..outcome import settled
 from ..provider import TAG_KEY, TAG_OPERATION, TAG_REF, TAG_TENANT, Answer, AnswerKind
 from ..provider.settlement._rows import Entry
+from ..reconciling._cross_flags import cross_flag_open, is_cross_flag
 from ..reconciling._moved import LOOKBACK, moved_from
 from ..reconciling._route_effects import known_duplicate
 from ..records import OperationRecord
-from ..routing import key_at
+from ..routing import key_at, touched
 from ..storage._engine import run_in_transaction
 from ..storage._store import Store
 from ..storage._tables import operations
@@ -214,6 +217,16 @@ def _same_effect(record: OperationRecord, row: Mapping[str, Any]) -> bool:
     return record.provider_reference is None or record.provider_reference in refs
 
 
+def _left_here(record: OperationRecord, provider: str) -> bool:
+    """Whether ``record`` is routed and moved away from ``provider``, or its route passed it
+    over: a row there is an attempt it left, not its own effect."""
+    route = record.route
+    if not route:
+        return False
+    key = key_at(route, provider)
+    return (provider, key) in touched(route) or provider in (route.get("skipped") or ())
+
+
 def _crossed(record: OperationRecord, provider: str, row: Mapping[str, Any]) -> dict[str, Any]:
     """Where the two effects of a namespace stand, when a row of ``provider`` names an
     operation at another provider."""
@@ -305,7 +318,7 @@ class Judge:
     def _apply(self, row: Mapping[str, Any], record: OperationRecord, how: str) -> Verdict:
         detail: dict[str, Any] = {"matched_by": how}
         evidence = {"settlement": _summary(row), "matched_by": how}
-        if record.provider != self.provider:
+        if record.provider != self.provider and _left_here(record, self.provider):
             return self._elsewhere(row, record, detail, evidence)
         if not _same_effect(record, row):
             detail["references"] = [record.provider_reference, row["reference"]]
@@ -395,7 +408,8 @@ class Judge:
         if not record.needs_attention:
             return False
         return any(
-            e.kind in _SETTLEMENT_FLAGS for e in self.store.events(record.tenant_id, record.id)
+            e.kind in _SETTLEMENT_FLAGS or is_cross_flag(e)
+            for e in self.store.events(record.tenant_id, record.id)
         )
 
     def _settle(
@@ -421,7 +435,10 @@ class Judge:
             checks_delta=1,
             # Settled by evidence: nothing left for a human, unless the amounts differ or
             # a settlement flagged it before (a second effect found in an earlier file).
-            needs_attention=flag or self._flagged_by_settlement(record),
+            # A cross-provider duplicate's flag stays until acknowledged, raised or not.
+            needs_attention=flag
+            or self._flagged_by_settlement(record)
+            or cross_flag_open(self.store, record),
             also=self._also(row, klass, detail),
         )
         logs.transition(record, after, RESOLUTION, evidence, logger=log)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,15 @@ from ..provider import (
 from ..records import EventRecord, OperationRecord, Redactor
 from ..routing import key_at, touched
 from ..storage._store import Store
+from ._cross_flags import (
+    ACKNOWLEDGED,
+    CROSS_DUPLICATE,
+    CROSS_LEFT,
+    CROSS_REVERSAL,
+    duplicate_detail,
+    recorded_late,
+    same_late,
+)
 from ._voids import query_of
 
 if TYPE_CHECKING:
@@ -50,15 +59,9 @@ __all__ = [
     "CROSS_REVERSAL",
     "CrossCheck",
     "DuplicatePolicy",
-    "duplicate_detail",
-    "recorded_late",
 ]
 
-CROSS_DUPLICATE = "cross_provider_duplicate"  # the flag: both effects, in one event
-CROSS_REVERSAL = "cross_provider_reversal"  # the later effect voided or refunded
-CROSS_LEFT = "cross_provider_left"  # the policy could not reverse it: the operator decides
 _RACES = 5
-_ACKNOWLEDGED = "acknowledged"  # payorch.operator's acknowledgement of a flag
 _REVERSIBLE = frozenset({"payment.create"})  # what a refund.create can undo
 
 
@@ -161,23 +164,20 @@ class CrossCheck:
         flags = [
             i
             for i, e in enumerate(events)
-            if e.kind == CROSS_DUPLICATE and _same_late(e.detail, provider, key, reference)
+            if e.kind == CROSS_DUPLICATE and same_late(e.detail, provider, key, reference)
         ]
         if not flags:
             record = self._flag(record, provider, key, answer, first=True)
         elif not record.needs_attention and not any(
-            e.kind == _ACKNOWLEDGED for e in events[flags[-1] :]
+            e.kind == ACKNOWLEDGED for e in events[flags[-1] :]
         ):
             # Settled since (a settling write clears flags): the flag stays until a human
             # acknowledges it, so it is raised again (counted once, when first found).
             record = self._flag(record, provider, key, answer, first=False)
         if answer.kind is AnswerKind.PENDING:
             return record, "flagged"  # not an effect yet: nothing to reverse, look again
-        if any(
-            e.kind in (CROSS_REVERSAL, CROSS_LEFT)
-            and (e.detail or {}).get("provider_reference") == reference
-            for e in events
-        ):
+        if any(e.kind in (CROSS_REVERSAL, CROSS_LEFT) and _reverses(e, provider, key, reference)
+               for e in events):  # fmt: skip
             return record, "known"
         if self.policy is DuplicatePolicy.OPERATOR:
             return record, "flagged"
@@ -229,7 +229,11 @@ class CrossCheck:
         """Void the later effect through its provider, else refund it, else leave it."""
         adapter = self.providers[provider]
         reference = answer.provider_reference
-        note: dict[str, Any] = {"provider": provider, "provider_reference": reference}
+        note: dict[str, Any] = {
+            "provider": provider,
+            "downstream_key": key,
+            "provider_reference": reference,
+        }
         if can_void(adapter, reference):
             assert isinstance(adapter, Voider)
             request = VoidRequest(
@@ -304,69 +308,12 @@ class CrossCheck:
         self.store.append_event(record, kind=kind, actor=self.owner, detail=dict(detail))
 
 
-def _same_late(
-    detail: Mapping[str, Any] | None, provider: str, key: str, reference: str | None
-) -> bool:
-    """Whether a ``cross_provider_duplicate`` event recorded this later effect: the same
-    provider, and its reference (or, with none yet, its key)."""
-    for effect in (detail or {}).get("effects") or ():
-        if isinstance(effect, Mapping) and not effect.get("answered"):
-            if effect.get("provider") != provider:
-                return False
-            if reference is not None:
-                return bool(effect.get("provider_reference") == reference)
-            return bool(effect.get("downstream_key") == key)
-    return False
-
-
-def duplicate_detail(
-    record: OperationRecord, late: Mapping[str, Any], *, policy: str | None
-) -> dict[str, Any]:
-    """A ``cross_provider_duplicate`` event's detail: the operation's own effect (the one
-    its client was answered with) and the ``late`` one (provider, downstream_key,
-    provider_reference, state, evidence) found at a provider it moved away from."""
-    return {
-        "severity": "critical",
-        "policy": policy,
-        "effects": [
-            {
-                "provider": record.provider,
-                "downstream_key": record.downstream_key,
-                "provider_reference": record.provider_reference,
-                "state": record.state.value,
-                "answered": True,
-            },
-            {**late, "answered": False},
-        ],
-    }
-
-
-_SETTLED_ROW = "settlement_duplicate"  # payorch.recon's flag of a row
-
-
-def recorded_late(events: Sequence[EventRecord], provider: str, key: str) -> str | None:
-    """The reference of money at ``provider`` under ``key`` that the operation's events
-    record without a status query (a webhook's ``cross_provider_duplicate``, a settlement
-    row's ``settlement_duplicate`` naming that attempt); None when none does."""
-    for event in reversed(events):
-        detail = event.detail or {}
-        if event.kind == CROSS_DUPLICATE:
-            for late in detail.get("effects") or ():
-                if (
-                    isinstance(late, Mapping)
-                    and not late.get("answered")
-                    and (late.get("provider"), late.get("downstream_key")) == (provider, key)
-                    and late.get("state") == AnswerKind.SUCCEEDED.value
-                    and late.get("provider_reference")
-                ):
-                    return str(late["provider_reference"])
-        elif event.kind == _SETTLED_ROW:
-            crossed = detail.get("cross_provider")
-            if isinstance(crossed, Mapping) and (
-                crossed.get("provider"),
-                crossed.get("attempt_key"),
-            ) == (provider, key):
-                found = crossed.get("payment_reference") or crossed.get("reference")
-                if found:
-                    return str(found)
-    return None
+def _reverses(event: EventRecord, provider: str, key: str, reference: str | None) -> bool:
+    """Whether a reversal (or a reversal left to the operator) is about the effect under
+    ``key`` at ``provider``: one key makes one effect there, whatever reference names it."""
+    detail = event.detail or {}
+    if detail.get("provider") not in (None, provider):
+        return False
+    if detail.get("downstream_key") == key:
+        return True
+    return reference is not None and detail.get("provider_reference") == reference

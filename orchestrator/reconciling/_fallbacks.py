@@ -19,6 +19,7 @@ from ..provider import Provider, SubmitRequest
 from ..records import OperationRecord, Redactor
 from ..routing import Proof, attempts_of, key_at, moved, next_provider, touched
 from ..storage._store import Store
+from ._cross_flags import is_cross_flag
 from ._policy import ReconcilerPolicy
 
 __all__ = ["attempt_age", "attempt_started", "fall_over", "moved_on", "past_window"]
@@ -110,6 +111,7 @@ def fall_over(
         decision=f"proven not executed ({proof.value}): move to {to}",
         proof=proof.value,
         from_provider=record.provider,
+        from_key=record.downstream_key,  # what the left provider's webhooks and reports name
         to_provider=to,
         to_key=key,
     )
@@ -158,6 +160,5 @@ def fall_over(
 
 
 def _duplicate_known(store: Store, record: OperationRecord) -> bool:
-    return any(
-        e.kind == "cross_provider_duplicate" for e in store.events(record.tenant_id, record.id)
-    )
+    # A settlement row's or a webhook's flag counts as much as the look's own.
+    return any(is_cross_flag(e) for e in store.events(record.tenant_id, record.id))

@@ -9,7 +9,7 @@ from ..provider import TAG_REF, AnswerKind, ProviderEffect
 from ..records import OperationRecord
 from ..routing import touched
 from ..storage._store import Store
-from ._crossings import CROSS_DUPLICATE
+from ._cross_flags import CROSS_DUPLICATE
 
 __all__ = ["beside_route", "known_duplicate", "left_behind"]
 

@@ -40,9 +40,8 @@ from ..records import OperationRecord, Redactor
 from ..storage._engine import read_in_transaction, run_in_transaction
 from ..storage._store import Store
 from ..storage._tables import db_now, operations, webhook_inbox
-from ._crossings import CROSS_DUPLICATE, duplicate_detail
+from ._cross_flags import CROSS_DUPLICATE, cross_flag_open, duplicate_detail, same_late
 from ._moved import LOOKBACK, moved_from
-from ._route_effects import known_duplicate
 from ._voids import (
     RELEASED,
     VOID_REFUSED,
@@ -209,12 +208,12 @@ class WebhookHandler:
             record = self._find(tenant_id, provider, event)
             if record is None:
                 return inbox.only(WebhookStatus.UNMATCHED, None)
-            if record.provider != provider:
-                return self._left_attempt(inbox, event, record, provider)
             if event.outcome is None and event.lifecycle != VOID_REFUSED:
                 return inbox.only(WebhookStatus.IGNORED, record)
             for _ in range(_MAX_RACES):
                 try:
+                    if record.provider != provider:  # an attempt the operation moved on from
+                        return self._left_attempt(inbox, event, record, provider)
                     return self._apply(inbox, event, record)
                 except StaleVersion:
                     record = self.store.get(tenant_id, record.id)
@@ -319,29 +318,51 @@ class WebhookHandler:
         effects (the reconciler's policy reverses it on its next look); anything else is
         evidence about that attempt."""
         key = event.downstream_key or ""
+        reference = event.provider_reference
         detail: dict[str, Any] = {
             "event_id": event.event_id,
             "event_type": event.event_type,
             "outcome": event.outcome.value if event.outcome is not None else None,
-            "provider_reference": event.provider_reference,
+            "provider_reference": reference,
             "attempt_at": provider,
             "downstream_key": key,
         }
-        money = event.outcome is AnswerKind.SUCCEEDED and event.lifecycle is None
-        if not money or known_duplicate(self.store, record, provider, event.provider_reference):
+        if event.code is not None:
+            detail["code"] = event.code
+        if event.lifecycle is not None:
+            detail["lifecycle"] = event.lifecycle
+        # A success of the attempt's own kind: a capture or a refund reported under its
+        # key (an operator's refund of the duplicate, say) is evidence, not more money.
+        money = (
+            event.outcome is AnswerKind.SUCCEEDED
+            and event.lifecycle is None
+            and event.operation in (None, record.operation)
+        )
+        known = any(
+            e.kind == CROSS_DUPLICATE and same_late(e.detail, provider, key, reference)
+            for e in self.store.events(record.tenant_id, record.id)
+        )
+        if not money or known:
             return self._evidence(inbox, record, detail)
         late = {
             "provider": provider,
             "downstream_key": key,
-            "provider_reference": event.provider_reference,
+            "provider_reference": reference,
             "state": AnswerKind.SUCCEEDED.value,
             "evidence": {"webhook": detail},
         }
-        flagged = self._flag(
-            inbox, record, duplicate_detail(record, late, policy=None), kind=CROSS_DUPLICATE
-        )
+        flag = duplicate_detail(record, late, policy=None)
         routing_metrics.cross_provider_duplicate(provider)
-        return flagged
+        if record.state is State.IN_PROGRESS and record.lease_owner is not None:
+            # Its executor (or the reconciler) is at work on it: the flag's event only, so
+            # that write is not fenced out; the next look raises the flag from it.
+            self.store.append_event(
+                record, kind=CROSS_DUPLICATE, actor=self.actor, detail=flag,
+                also=inbox.claim(WebhookStatus.CONFLICT),
+            )  # fmt: skip
+            logs.transition(record, record, CROSS_DUPLICATE, flag, logger=_log)
+            return inbox.result(WebhookStatus.CONFLICT, record)
+        return self._flag(inbox, record, flag, kind=CROSS_DUPLICATE)
 
     def _apply(self, inbox: _Inbox, event: WebhookEvent, record: OperationRecord) -> WebhookResult:
         detail: dict[str, Any] = {
@@ -404,7 +425,10 @@ class WebhookHandler:
             error_code=decision.error_code,
             # A void's notification settles what the void began; a race it lost stays flagged.
             resolution=VOID_RESOLUTION if released else "webhook",
-            needs_attention=record.needs_attention if voiding else False,  # settled by evidence
+            # Settled by evidence: nothing left for a human, unless a void raced it or a
+            # cross-provider duplicate flagged it (that flag stays until acknowledged).
+            needs_attention=(record.needs_attention if voiding else False)
+            or cross_flag_open(self.store, record),
             also=inbox.claim(WebhookStatus.APPLIED),
         )
         logs.transition(record, updated, "webhook", detail, logger=_log)

@@ -45,6 +45,7 @@ from payorch.storage._tables import (
     recon_files,
     recon_providers,
     recon_rows,
+    route_keys,
     webhook_inbox,
 )
 
@@ -156,6 +157,7 @@ _EMPTIED = "; ".join(
         recon_files,
         recon_rows,
         recon_providers,
+        route_keys,
     )
 )
 

@@ -14,7 +14,17 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from routing_helpers import A, B, WebhookOnly, adapters, executor, money, pay, reconciler
+from routing_helpers import (
+    A,
+    B,
+    WebhookOnly,
+    adapters,
+    executor,
+    money,
+    pay,
+    reconciler,
+    sample,
+)
 
 from payorch.core import State
 from payorch.execution._executor import Executor
@@ -176,7 +186,9 @@ def test_a_webhook_only_provider_s_row_is_reversed_by_the_daemon_s_look(
 ) -> None:
     a, b = acquirers
     out, late = moved_then_approved_at_a(store, a, b)
+    counted = sample("payorch_route_cross_provider_duplicates_total", provider=A)
     import_report(store, report(a, "stripe"), provider=A, format="stripe")
+    assert sample("payorch_route_cross_provider_duplicates_total", provider=A) == counted + 1
     cannot_ask = WebhookOnly(base_url=a.url, name=A)
     try:
         rec = reconciler(store, [cannot_ask, *adapters(a.url, b.url)[1:]], DuplicatePolicy.REVERSE)
@@ -185,8 +197,29 @@ def test_a_webhook_only_provider_s_row_is_reversed_by_the_daemon_s_look(
         assert watch.run() == {"refunded": 1}
     finally:
         cannot_ask.close()
+    # Counted once, when the row raised it, not again by the look.
+    assert sample("payorch_route_cross_provider_duplicates_total", provider=A) == counted + 1
     (refund,) = money(a, "refund.create")
     assert refund["payment_intent"] == late["id"]
     kinds = [e.kind for e in store.events("shop", out.operation_id)]
     assert kinds.count("settlement_duplicate") == 1 and kinds.count(CROSS_REVERSAL) == 1
     assert len(money(a)) == 1 and len(money(b)) == 1
+
+
+def test_an_open_operation_at_another_provider_is_never_settled_by_a_row(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    a, _ = acquirers
+    (at_a, *_) = adapters(a.url, a.url)
+    plain = Executor(store=store, providers=[at_a], registry=default_registry(A))
+    a.inject("drop_after")
+    out = pay(plain)
+    assert out.state is State.OUTCOME_UNKNOWN and not out.routed
+    # A's report imported under another provider's name: it names the operation by its tags.
+    result = import_report(store, report(a, "stripe"), provider=B, format="stripe")
+    assert result.counts == {"orphan": 1, "other": 1}, result.counts
+    (orphan,) = [v for v in result.verdicts if v.klass is RowClass.ORPHAN]
+    assert out.operation_id in orphan.detail["note"]
+    record = store.get("shop", out.operation_id)
+    assert record.state is State.OUTCOME_UNKNOWN and record.provider_reference is None
+    assert len(money(a)) == 1

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
+from conftest import make_due
 from routing_helpers import (
     A,
     B,
@@ -36,6 +37,7 @@ from payorch.provider import WebhookEvent
 from payorch.providers.sandbox import SandboxProvider, SandboxServer
 from payorch.reconciling._crossings import CROSS_DUPLICATE, CROSS_REVERSAL, DuplicatePolicy
 from payorch.reconciling._fallback_watch import FallbackWatch
+from payorch.reconciling._reconciler import Reconciler, ReconcilerPolicy
 from payorch.routing import key_at
 from payorch.storage._store import Store
 
@@ -226,4 +228,33 @@ def test_a_provider_passed_over_as_unhealthy_is_matched_by_its_note(
 
     assert (result.status, result.operation_id) == (WebhookStatus.CONFLICT, retry.operation_id)
     assert store.get("shop", retry.operation_id).needs_attention
+    assert len(money(a)) == 1 and len(money(b)) == 1
+
+
+def test_the_flag_outlives_the_reconcilers_settling_write(
+    store: Store, acquirers: tuple[SandboxServer, SandboxServer]
+) -> None:
+    a, b = acquirers
+    a.inject("decline")
+    b.inject("drop_after")
+    providers = adapters(a.url, b.url)
+    out = pay(executor(store, providers, declines=("generic_decline",)))
+    assert out.state is State.OUTCOME_UNKNOWN and out.provider == B
+    (declined,) = a.ledger()
+    a.overturn(declined["id"])
+    _, approval = a.webhook_deliveries()
+    assert handler(store, a).handle("shop", A, approval.headers, approval.body).operation_id
+    # No adapter for A here: the cross-provider check cannot raise the flag again, so the
+    # settling write alone must keep it.
+    rec = Reconciler(
+        store=store,
+        providers=[providers[1]],
+        policy=ReconcilerPolicy(not_found_grace=timedelta(0)),
+        owner="reconciler-test",
+    )
+    make_due(store, out.operation_id)
+    rec.run_until_idle()
+    record = store.get("shop", out.operation_id)
+    assert record.state is State.SUCCEEDED and record.provider == B
+    assert record.needs_attention  # settled at B by its status, the flag kept
     assert len(money(a)) == 1 and len(money(b)) == 1

@@ -29,6 +29,7 @@ from ..outcome import decide, late_conflict
 from ..provider import Answer, AnswerKind, Provider, SubmitRequest, WireRequest
 from ..records import OperationRecord, Redactor
 from ..routing import proves_not_sent
+from ..storage import _route_keys as route_keys
 from ..storage._bridge import pause
 from ..storage._store import Store
 
@@ -354,6 +355,8 @@ def _fall_back(
             downstream_key=fallback.key,
             route=fallback.moved_route(proof, answer, record.provider_reference),
             moved_on=True,
+            # The key it leaves behind: that provider's webhooks and reports name it.
+            also=route_keys.remember(store, [(provider, record.downstream_key)]),
             **values,
         )
     except StaleVersion:

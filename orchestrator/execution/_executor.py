@@ -41,6 +41,7 @@ from ..outcome import Outcome
 from ..provider import Provider, WireRequest
 from ..records import OperationRecord
 from ..routing import Router, key_at
+from ..storage import _route_keys as route_keys
 from ..storage._bridge import bridged
 from ..storage._store import Store
 from ._attempts import RetryPolicy, kept_for, submit_and_record, wire_of
@@ -392,13 +393,14 @@ class Executor:
             return
         try:
             # The key each one would have been sent under: a webhook or a report row
-            # naming it finds this operation (payorch.reconciling's look-up of left keys).
-            keys = {str(p): key_at(record.route or {}, str(p)) for p in skipped}
+            # naming it finds this operation (payorch_route_keys).
+            keys = {str(p): key_at(record.route or {}, str(p)) or "" for p in skipped}
             self.store.append_event(
                 record,
                 kind="route_skipped",
                 actor=self.owner,
                 detail={"skipped": skipped, "keys": keys},
+                also=route_keys.remember(self.store, list(keys.items())),
             )
         except StorageError as exc:
             logs.executor_log.warning("route of %s not noted: %s", record.id, exc)

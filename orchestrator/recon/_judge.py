@@ -27,6 +27,7 @@ from ..core import State, downstream_key
 from ..errors import CorruptRecord, OperationNotFound, StaleVersion
 from ..observing import _logs as logs
 from ..observing import _metrics as metrics
+from ..observing import _routing as routing_metrics
 from ..outcome import settled
 from ..provider import TAG_KEY, TAG_OPERATION, TAG_REF, TAG_TENANT, Answer, AnswerKind
 from ..provider.settlement._rows import Entry
@@ -318,8 +319,10 @@ class Judge:
     def _apply(self, row: Mapping[str, Any], record: OperationRecord, how: str) -> Verdict:
         detail: dict[str, Any] = {"matched_by": how}
         evidence = {"settlement": _summary(row), "matched_by": how}
-        if record.provider != self.provider and _left_here(record, self.provider):
-            return self._elsewhere(row, record, detail, evidence)
+        if record.provider != self.provider:
+            elsewhere = self._elsewhere(row, record, detail, evidence)
+            if elsewhere is not None:
+                return elsewhere
         if not _same_effect(record, row):
             detail["references"] = [record.provider_reference, row["reference"]]
             evidence["references"] = detail["references"]
@@ -342,10 +345,17 @@ class Judge:
     def _elsewhere(
         self, row: Mapping[str, Any], record: OperationRecord, detail: dict[str, Any],
         evidence: dict[str, Any],
-    ) -> Verdict:  # fmt: skip
-        """A row of the namespace at a provider its operation is not at (a routed attempt
-        it moved on from, on proof that turned out wrong): never the operation's own effect,
-        never settling it, whatever state it stands in at its provider."""
+    ) -> Verdict | None:  # fmt: skip
+        """A row of the namespace at a provider its operation is not at: never evidence of
+        its outcome there. An attempt it moved on from (on proof that turned out wrong) is
+        a cross-provider duplicate, whatever state the operation stands in; an operation
+        still open elsewhere (a report imported under another name?) is listed, unchanged;
+        a settled one is judged as before (None)."""
+        if not _left_here(record, self.provider):
+            if record.terminal:
+                return None
+            note = f"names operation {record.id}, which stands at {record.provider}"
+            return self._record(row, RowClass.ORPHAN, None, {**detail, "note": note})
         crossed = _crossed(record, self.provider, row)
         detail["cross_provider"] = evidence["cross_provider"] = crossed
         refs = {row["reference"], row["payment_reference"]} - {None}
@@ -354,7 +364,9 @@ class Judge:
             detail["known"] = "the operation records this cross-provider duplicate"
             return self._record(row, RowClass.DUPLICATE, record, detail)
         evidence["decision"] = "an effect at a provider the operation is not at: flagged"
-        return self._flag(row, record, RowClass.DUPLICATE, detail, evidence)
+        verdict = self._flag(row, record, RowClass.DUPLICATE, detail, evidence)
+        routing_metrics.cross_provider_duplicate(self.provider)
+        return verdict
 
     def _record(
         self, row: Mapping[str, Any], klass: RowClass, record: OperationRecord | None,

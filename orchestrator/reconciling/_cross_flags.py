@@ -14,6 +14,7 @@ from typing import Any
 
 from ..provider import AnswerKind
 from ..records import EventRecord, OperationRecord
+from ..routing import attempts_of
 from ..storage._store import Store
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "cross_flag_open",
     "duplicate_detail",
     "is_cross_flag",
+    "names_late",
     "recorded_late",
     "same_late",
 ]
@@ -48,6 +50,20 @@ def same_late(
                 return bool(effect.get("provider_reference") == reference)
             return bool(effect.get("downstream_key") == key)
     return False
+
+
+def names_late(event: EventRecord, provider: str, key: str, reference: str | None) -> bool:
+    """Whether ``event`` flagged this later effect already, whoever raised it: the look's or
+    a webhook's ``cross_provider_duplicate``, or a settlement row's naming that attempt."""
+    if event.kind == CROSS_DUPLICATE:
+        return same_late(event.detail, provider, key, reference)
+    crossed = (event.detail or {}).get("cross_provider") if event.kind == _SETTLED_ROW else None
+    if not isinstance(crossed, Mapping) or crossed.get("provider") != provider:
+        return False
+    if crossed.get("attempt_key") == key:
+        return True
+    refs = {crossed.get("reference"), crossed.get("payment_reference")} - {None}
+    return reference is not None and reference in refs
 
 
 def duplicate_detail(
@@ -112,8 +128,9 @@ def is_cross_flag(event: EventRecord) -> bool:
 def cross_flag_open(store: Store, record: OperationRecord) -> bool:
     """Whether a routed ``record`` holds a cross-provider duplicate flag no operator has
     acknowledged since: a write that settles it keeps its ``needs_attention``."""
-    if record.route is None:
-        return False
+    route = record.route
+    if not route or (len(attempts_of(route)) < 2 and not route.get("skipped")):
+        return False  # it never left a provider: no second effect to flag
     open_ = False
     for event in store.events(record.tenant_id, record.id):
         if is_cross_flag(event):

@@ -45,6 +45,7 @@ from ._cross_flags import (
     CROSS_LEFT,
     CROSS_REVERSAL,
     duplicate_detail,
+    names_late,
     recorded_late,
     same_late,
 )
@@ -167,7 +168,9 @@ class CrossCheck:
             if e.kind == CROSS_DUPLICATE and same_late(e.detail, provider, key, reference)
         ]
         if not flags:
-            record = self._flag(record, provider, key, answer, first=True)
+            # A webhook's or a settlement row's flag of it was counted when raised.
+            counted = any(names_late(e, provider, key, reference) for e in events)
+            record = self._flag(record, provider, key, answer, first=not counted)
         elif not record.needs_attention and not any(
             e.kind == ACKNOWLEDGED for e in events[flags[-1] :]
         ):

@@ -18,6 +18,7 @@ from ..observing import _routing as routing_metrics
 from ..provider import Provider, SubmitRequest
 from ..records import OperationRecord, Redactor
 from ..routing import Proof, attempts_of, key_at, moved, next_provider, touched
+from ..storage import _route_keys as route_keys
 from ..storage._store import Store
 from ._cross_flags import is_cross_flag
 from ._policy import ReconcilerPolicy
@@ -130,6 +131,8 @@ def fall_over(
         checks_delta=1,
         provider=to,
         downstream_key=key,
+        # The key it leaves behind: that provider's webhooks and reports name it.
+        also=route_keys.remember(rec.store, [(record.provider, record.downstream_key)]),
         route=moved(
             record.route,
             proof=proof,

@@ -37,6 +37,7 @@ from ..provider import (
 from ..records import OperationRecord, Redactor
 from ..routing import Proof
 from ..storage._store import Store
+from ._cross_flags import cross_flag_open
 from ._crossings import CrossCheck
 from ._fallbacks import attempt_age, fall_over, past_window
 from ._policy import DEFAULT_CONCURRENCY, ReconcileReport, ReconcilerPolicy
@@ -463,8 +464,9 @@ class Reconciler:
             error_code=decision.error_code,
             resolution=kind,
             checks_delta=1,
-            # Settled by evidence: nothing left for a human, unless the evidence says so.
-            needs_attention=attention,
+            # Settled by evidence: nothing left for a human, unless the evidence says so or
+            # a cross-provider duplicate flagged it (that flag stays until acknowledged).
+            needs_attention=attention or cross_flag_open(self.store, record),
             provider_reference=decision.provider_reference,
         )
         if attention and not record.needs_attention:

@@ -40,7 +40,7 @@ from ..records import OperationRecord, Redactor
 from ..storage._engine import read_in_transaction, run_in_transaction
 from ..storage._store import Store
 from ..storage._tables import db_now, operations, webhook_inbox
-from ._cross_flags import CROSS_DUPLICATE, cross_flag_open, duplicate_detail, same_late
+from ._cross_flags import CROSS_DUPLICATE, cross_flag_open, duplicate_detail, names_late
 from ._moved import LOOKBACK, moved_from
 from ._voids import (
     RELEASED,
@@ -339,7 +339,7 @@ class WebhookHandler:
             and event.operation in (None, record.operation)
         )
         known = any(
-            e.kind == CROSS_DUPLICATE and same_late(e.detail, provider, key, reference)
+            names_late(e, provider, key, reference)
             for e in self.store.events(record.tenant_id, record.id)
         )
         if not money or known:
@@ -352,17 +352,19 @@ class WebhookHandler:
             "evidence": {"webhook": detail},
         }
         flag = duplicate_detail(record, late, policy=None)
-        routing_metrics.cross_provider_duplicate(provider)
-        if record.state is State.IN_PROGRESS and record.lease_owner is not None:
-            # Its executor (or the reconciler) is at work on it: the flag's event only, so
-            # that write is not fenced out; the next look raises the flag from it.
+        if record.lease_owner is not None and not record.terminal:
+            # An executor, the reconciler or a void is at work on it: the flag's event only,
+            # so that write is not fenced out; the next look raises the flag from it.
             self.store.append_event(
                 record, kind=CROSS_DUPLICATE, actor=self.actor, detail=flag,
                 also=inbox.claim(WebhookStatus.CONFLICT),
             )  # fmt: skip
             logs.transition(record, record, CROSS_DUPLICATE, flag, logger=_log)
-            return inbox.result(WebhookStatus.CONFLICT, record)
-        return self._flag(inbox, record, flag, kind=CROSS_DUPLICATE)
+            result = inbox.result(WebhookStatus.CONFLICT, record)
+        else:
+            result = self._flag(inbox, record, flag, kind=CROSS_DUPLICATE)
+        routing_metrics.cross_provider_duplicate(provider)  # once written: counted once
+        return result
 
     def _apply(self, inbox: _Inbox, event: WebhookEvent, record: OperationRecord) -> WebhookResult:
         detail: dict[str, Any] = {

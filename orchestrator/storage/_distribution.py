@@ -28,7 +28,7 @@ from sqlalchemy.engine import Connection, Engine
 from ..errors import ConfigurationError
 from . import _sessions as sessions
 from ._engine import read_in_transaction, run_in_transaction
-from ._tables import effects, events, operations, outbox, webhook_inbox
+from ._tables import effects, events, operations, outbox, route_keys, webhook_inbox
 
 __all__ = [
     "DISTRIBUTED_TABLES",
@@ -45,7 +45,9 @@ __all__ = [
 
 DISTRIBUTION_COLUMN = "tenant_id"
 # Co-located with the first: a tenant's rows of every table on one shard.
-DISTRIBUTED_TABLES = tuple(t.name for t in (operations, events, webhook_inbox, outbox, effects))
+DISTRIBUTED_TABLES = tuple(
+    t.name for t in (operations, events, webhook_inbox, outbox, effects, route_keys)
+)
 REFERENCE_TABLES = ("payorch_alembic_version",)
 DISTRIBUTE_HINT = "run `payorch db distribute` against the coordinator (idempotent)"
 

@@ -54,6 +54,7 @@ __all__ = [
     "recon_files",
     "recon_providers",
     "recon_rows",
+    "route_keys",
     "webhook_inbox",
 ]
 
@@ -404,6 +405,23 @@ def is_dead() -> sa.ColumnElement[bool]:
 
 # Effects done once (payorch.once): a consumer's message or an idempotent function's call,
 # claimed in its namespace (tenant, namespace, key) like an operation.
+# The keys of attempts routed operations left (payorch.routing): the key a move left behind,
+# and the key of each provider a route passed over as unhealthy. A webhook or a settlement
+# row of that provider names it, and no operation row holds it any more: this finds its
+# operation. Written only with a move or a skip note (rare), never on the hot path.
+route_keys = sa.Table(
+    "payorch_route_keys",
+    metadata,
+    sa.Column("tenant_id", sa.String(64), nullable=False),
+    sa.Column("downstream_key", sa.String(255), nullable=False),
+    sa.Column("provider", sa.String(64), nullable=False),
+    sa.Column("operation_id", sa.String(36), nullable=False),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.PrimaryKeyConstraint(
+        "downstream_key", "provider", "tenant_id", "operation_id", name="pk_payorch_route_keys"
+    ),
+)
+
 effects = sa.Table(
     "payorch_effects",
     metadata,

@@ -232,24 +232,29 @@ def test_four_processes_race_over_200_namespaces(postgres_url: str) -> None:
 def test_migrations_round_trip(db_url: str, tmp_path: object) -> None:
     # A fresh database per dialect: upgrade, downgrade to nothing, upgrade again.
     url = db_url
-    migrate.downgrade(url, "base")
     engine = sa.create_engine(url)
+    citus = engine.dialect.name == "postgresql" and read_placement(engine).citus is not None
     try:
+        # payorch_0007's downgrade stopped after it committed (on PostgreSQL its index is
+        # dropped outside the transaction): recorded at 0007 still, it runs again.
+        migrate.downgrade(url, "payorch_0006")
+        with engine.begin() as conn:
+            conn.execute(sa.text("UPDATE payorch_alembic_version SET version_num = 'payorch_0007'"))
+        migrate.downgrade(url, "payorch_0006")
+        assert not sa.inspect(engine).has_table("payorch_route_keys")
+        migrate.downgrade(url, "base")
         assert not sa.inspect(engine).has_table("payorch_operations")
-    finally:
-        engine.dispose()
-    migrate.upgrade(url)
-    assert migrate.current_revision(url) == migrate.head_revision()
-    engine = sa.create_engine(url)
-    try:
-        if read_placement(engine).citus is not None:
-            # The session's cluster, made local again by the round trip: placed again for
-            # the tests after this one.
-            assert migrate.distribute(url)
+        migrate.upgrade(url)
+        assert migrate.current_revision(url) == migrate.head_revision()
         names = set(sa.inspect(engine).get_table_names())
         assert {"payorch_operations", "payorch_events", "payorch_webhook_inbox"} <= names
     finally:
         engine.dispose()
+        if citus:
+            # The session's cluster, made local again by the round trip: placed again for
+            # the tests after this one, whatever happened above.
+            migrate.upgrade(url)
+            migrate.distribute(url)
 
 
 def test_migrations_match_table_definitions(db_url: str) -> None:

@@ -89,12 +89,17 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.drop_table(KEYS)
+    # Re-runnable too: a downgrade stopped after its first commit runs again.
+    op.drop_table(KEYS, if_exists=True)
     if op.get_bind().dialect.name == "postgresql":
         with op.get_context().autocommit_block():
-            op.drop_index(FALLBACKS, "payorch_events", postgresql_concurrently=True)
+            op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {FALLBACKS}")
     else:
-        op.drop_index(FALLBACKS, "payorch_events")
+        op.execute(f"DROP INDEX IF EXISTS {FALLBACKS}")
     # Plain ALTER TABLE on both dialects: a batch rebuild would lose the partial indexes'
-    # predicates.
-    op.execute("ALTER TABLE payorch_operations DROP COLUMN route")
+    # predicates. SQLite has no DROP COLUMN IF EXISTS: the column is looked for first.
+    bind = op.get_bind()
+    if bind.dialect.name == "postgresql":
+        op.execute("ALTER TABLE payorch_operations DROP COLUMN IF EXISTS route")
+    elif "route" in {c["name"] for c in sa.inspect(bind).get_columns("payorch_operations")}:
+        op.execute("ALTER TABLE payorch_operations DROP COLUMN route")

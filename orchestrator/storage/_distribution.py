@@ -1,9 +1,9 @@
 """payorch on Citus: how its tables are placed, and ``payorch db distribute``.
 
-Every payorch table leads its keys with ``tenant_id``; on a Citus cluster they are
+Every payorch table holds ``tenant_id`` in its keys; on a Citus cluster they are
 distributed by it and co-located with ``payorch_operations``, so one tenant's operation, its
-events, webhook deliveries, outbox messages and effects live on one shard and every
-single-tenant statement is a router query. The version table (no tenant) is a reference
+events, webhook deliveries, outbox messages, effects and left route keys live on one shard
+and every single-tenant statement is a router query. The version table (no tenant) is a reference
 table: a copy on every node. The outbox's staging sequence stays on the coordinator, where
 payorch connects.
 

@@ -9,7 +9,7 @@ from ..provider import TAG_REF, AnswerKind, ProviderEffect
 from ..records import OperationRecord
 from ..routing import touched
 from ..storage._store import Store
-from ._cross_flags import CROSS_DUPLICATE
+from ._cross_flags import CROSS_DUPLICATE, same_late
 
 __all__ = ["beside_route", "known_duplicate", "left_behind"]
 
@@ -63,17 +63,10 @@ def known_duplicate(
     store: Store, record: OperationRecord, provider: str, reference: str | None
 ) -> bool:
     """Whether ``record``'s own record of a cross-provider duplicate names the effect
-    ``reference`` at ``provider`` (the reconciler found it, and its policy applied)."""
+    ``reference`` at ``provider`` (the reconciler or a webhook found it)."""
     if reference is None:
         return False
-    for event in store.events(record.tenant_id, record.id):
-        if event.kind != CROSS_DUPLICATE:
-            continue
-        for late in (event.detail or {}).get("effects") or ():
-            if (
-                isinstance(late, dict)
-                and late.get("provider") == provider
-                and late.get("provider_reference") == reference
-            ):
-                return True
-    return False
+    return any(
+        e.kind == CROSS_DUPLICATE and same_late(e.detail, provider, "", reference)
+        for e in store.events(record.tenant_id, record.id)
+    )

@@ -187,8 +187,10 @@ def test_a_webhook_only_provider_s_row_is_reversed_by_the_daemon_s_look(
     a, b = acquirers
     out, late = moved_then_approved_at_a(store, a, b)
     counted = sample("payorch_route_cross_provider_duplicates_total", provider=A)
+    escalated = sample("payorch_escalations_total", reason="cross_provider")
     import_report(store, report(a, "stripe"), provider=A, format="stripe")
     assert sample("payorch_route_cross_provider_duplicates_total", provider=A) == counted + 1
+    assert sample("payorch_escalations_total", reason="cross_provider") == escalated + 1
     cannot_ask = WebhookOnly(base_url=a.url, name=A)
     try:
         rec = reconciler(store, [cannot_ask, *adapters(a.url, b.url)[1:]], DuplicatePolicy.REVERSE)

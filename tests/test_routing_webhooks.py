@@ -65,6 +65,7 @@ def test_the_left_providers_late_approval_is_flagged_never_applied(
     op_id, late = moved_then_approved(store, a, b)
     before = store.get("shop", op_id)
     duplicates = sample("payorch_route_cross_provider_duplicates_total", provider=A)
+    escalated = sample("payorch_escalations_total", reason="cross_provider")
     hooks = handler(store, a)
 
     decline, approval = a.webhook_deliveries()
@@ -89,6 +90,7 @@ def test_the_left_providers_late_approval_is_flagged_never_applied(
         key_at(before.route, A)
     ]
     assert sample("payorch_route_cross_provider_duplicates_total", provider=A) == duplicates + 1
+    assert sample("payorch_escalations_total", reason="cross_provider") == escalated + 1
     assert len(money(a)) == 1 and len(money(b)) == 1  # a webhook moves no money
 
 

@@ -364,7 +364,9 @@ class Judge:
             detail["known"] = "the operation records this cross-provider duplicate"
             return self._record(row, RowClass.DUPLICATE, record, detail)
         evidence["decision"] = "an effect at a provider the operation is not at: flagged"
-        verdict = self._flag(row, record, RowClass.DUPLICATE, detail, evidence)
+        verdict = self._flag(
+            row, record, RowClass.DUPLICATE, detail, evidence, reason="cross_provider"
+        )
         routing_metrics.cross_provider_duplicate(self.provider)
         return verdict
 
@@ -393,10 +395,10 @@ class Judge:
 
     def _flag(
         self, row: Mapping[str, Any], record: OperationRecord, klass: RowClass,
-        detail: dict[str, Any], evidence: dict[str, Any],
+        detail: dict[str, Any], evidence: dict[str, Any], *, reason: str = "evidence",
     ) -> Verdict:  # fmt: skip
         if not record.needs_attention:
-            metrics.escalated("evidence")  # a settlement row a human must look at
+            metrics.escalated(reason)  # a settlement row a human must look at
         flagged = self.store.flag_attention(
             record,
             kind=f"settlement_{klass.value}",

@@ -295,9 +295,10 @@ class WebhookHandler:
         return inbox.result(WebhookStatus.RECORDED, updated)
 
     def _flag(
-        self, inbox: _Inbox, record: OperationRecord, detail: dict[str, Any], *, kind: str
-    ) -> WebhookResult:
-        """Keep the evidence, change nothing else, call a human (a conflict)."""
+        self, inbox: _Inbox, record: OperationRecord, detail: dict[str, Any], *, kind: str,
+        reason: str = "conflict",
+    ) -> WebhookResult:  # fmt: skip
+        """Keep the evidence, change nothing else, call a human (a conflict, or ``reason``)."""
         flagged = self.store.flag_attention(
             record,
             kind=kind,
@@ -307,7 +308,7 @@ class WebhookHandler:
         )
         logs.transition(record, flagged, kind, detail, logger=_log)
         if not record.needs_attention:
-            metrics.escalated("conflict")
+            metrics.escalated(reason)
         return inbox.result(WebhookStatus.CONFLICT, record)
 
     def _left_attempt(
@@ -362,7 +363,7 @@ class WebhookHandler:
             logs.transition(record, record, CROSS_DUPLICATE, flag, logger=_log)
             result = inbox.result(WebhookStatus.CONFLICT, record)
         else:
-            result = self._flag(inbox, record, flag, kind=CROSS_DUPLICATE)
+            result = self._flag(inbox, record, flag, kind=CROSS_DUPLICATE, reason="cross_provider")
         routing_metrics.cross_provider_duplicate(provider)  # once written: counted once
         return result
 

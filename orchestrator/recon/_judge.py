@@ -31,11 +31,11 @@ from ..observing import _routing as routing_metrics
 from ..outcome import settled
 from ..provider import TAG_KEY, TAG_OPERATION, TAG_REF, TAG_TENANT, Answer, AnswerKind
 from ..provider.settlement._rows import Entry
-from ..reconciling._cross_flags import cross_flag_open, is_cross_flag
-from ..reconciling._moved import LOOKBACK, moved_from
+from ..reconciling._cross_flags import cross_flag_open
+from ..reconciling._moved import LOOKBACK, left_here, moved_from
 from ..reconciling._route_effects import known_duplicate
 from ..records import OperationRecord
-from ..routing import key_at, touched
+from ..routing import key_at
 from ..storage._engine import run_in_transaction
 from ..storage._store import Store
 from ..storage._tables import operations
@@ -46,7 +46,6 @@ __all__ = ["RESOLUTION", "ReconPolicy", "RowClass", "Verdict", "judge_pending"]
 RESOLUTION = "settlement"  # the resolution of an operation a settlement row settled
 _ATTEMPTS = 3  # an operation that keeps changing under a judgement: judged again
 _PLAIN_BATCH = 500  # rows recorded per transaction when nothing else is written
-MOVED_LOOKBACK = LOOKBACK  # ReconPolicy.moved_lookback's default
 
 log = logging.getLogger("payorch.recon")
 
@@ -97,7 +96,7 @@ class ReconPolicy:
     # How far before a report's earliest row a routed operation may have moved away from the
     # report's provider, its attempt there still booked in the report (a late approval, then
     # its capture): the moves read to match such rows.
-    moved_lookback: timedelta = MOVED_LOOKBACK
+    moved_lookback: timedelta = LOOKBACK
 
 
 @dataclass(frozen=True)
@@ -118,7 +117,7 @@ class _Candidates:
         store: Store,
         provider: str,
         rows: Sequence[Mapping[str, Any]],
-        lookback: timedelta = MOVED_LOOKBACK,
+        lookback: timedelta = LOOKBACK,
     ) -> None:
         refs: set[str] = set()
         keys: set[str] = set()
@@ -216,16 +215,6 @@ def _same_effect(record: OperationRecord, row: Mapping[str, Any]) -> bool:
     if Entry(row["entry"]) is Entry.CAPTURE:
         refs.add(row["payment_reference"])
     return record.provider_reference is None or record.provider_reference in refs
-
-
-def _left_here(record: OperationRecord, provider: str) -> bool:
-    """Whether ``record`` is routed and moved away from ``provider``, or its route passed it
-    over: a row there is an attempt it left, not its own effect."""
-    route = record.route
-    if not route:
-        return False
-    key = key_at(route, provider)
-    return (provider, key) in touched(route) or provider in (route.get("skipped") or ())
 
 
 def _crossed(record: OperationRecord, provider: str, row: Mapping[str, Any]) -> dict[str, Any]:
@@ -351,7 +340,7 @@ class Judge:
         a cross-provider duplicate, whatever state the operation stands in; an operation
         still open elsewhere (a report imported under another name?) is listed, unchanged;
         a settled one is judged as before (None)."""
-        if not _left_here(record, self.provider):
+        if not left_here(record, self.provider):
             if record.terminal:
                 return None
             note = f"names operation {record.id}, which stands at {record.provider}"
@@ -422,8 +411,7 @@ class Judge:
         if not record.needs_attention:
             return False
         return any(
-            e.kind in _SETTLEMENT_FLAGS or is_cross_flag(e)
-            for e in self.store.events(record.tenant_id, record.id)
+            e.kind in _SETTLEMENT_FLAGS for e in self.store.events(record.tenant_id, record.id)
         )
 
     def _settle(

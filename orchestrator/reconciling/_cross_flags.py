@@ -57,8 +57,8 @@ def names_late(event: EventRecord, provider: str, key: str, reference: str | Non
     a webhook's ``cross_provider_duplicate``, or a settlement row's naming that attempt."""
     if event.kind == CROSS_DUPLICATE:
         return same_late(event.detail, provider, key, reference)
-    crossed = (event.detail or {}).get("cross_provider") if event.kind == _SETTLED_ROW else None
-    if not isinstance(crossed, Mapping) or crossed.get("provider") != provider:
+    crossed = _row_crossing(event)
+    if crossed is None or crossed.get("provider") != provider:
         return False
     if crossed.get("attempt_key") == key:
         return True
@@ -104,25 +104,28 @@ def recorded_late(events: Sequence[EventRecord], provider: str, key: str) -> str
                     and late.get("provider_reference")
                 ):
                     return str(late["provider_reference"])
-        elif event.kind == _SETTLED_ROW:
-            crossed = detail.get("cross_provider")
-            if isinstance(crossed, Mapping) and (
-                crossed.get("provider"),
-                crossed.get("attempt_key"),
-            ) == (provider, key):
-                found = crossed.get("payment_reference") or crossed.get("reference")
-                if found:
-                    return str(found)
+        elif (crossed := _row_crossing(event)) is not None and (
+            crossed.get("provider"),
+            crossed.get("attempt_key"),
+        ) == (provider, key):
+            found = crossed.get("payment_reference") or crossed.get("reference")
+            if found:
+                return str(found)
     return None
 
 
 def is_cross_flag(event: EventRecord) -> bool:
     """Whether ``event`` flags a cross-provider duplicate (the reconciler's, a webhook's, or
     a settlement row's naming another provider's attempt)."""
-    if event.kind == CROSS_DUPLICATE:
-        return True
-    crossed = (event.detail or {}).get("cross_provider") if event.kind == _SETTLED_ROW else None
-    return isinstance(crossed, Mapping)
+    return event.kind == CROSS_DUPLICATE or _row_crossing(event) is not None
+
+
+def _row_crossing(event: EventRecord) -> Mapping[str, Any] | None:
+    """A settlement row's flag's ``cross_provider`` (payorch.recon): the attempt it names."""
+    if event.kind != _SETTLED_ROW:
+        return None
+    crossed = (event.detail or {}).get("cross_provider")
+    return crossed if isinstance(crossed, Mapping) else None
 
 
 def cross_flag_open(store: Store, record: OperationRecord) -> bool:

@@ -19,7 +19,7 @@ from ..routing import key_at, touched
 from ..storage._route_keys import left_at
 from ..storage._store import Store
 
-__all__ = ["LOOKBACK", "moved_from"]
+__all__ = ["LOOKBACK", "left_here", "moved_from"]
 
 # How far back a move away from a provider is looked for: its attempt's effect may surface
 # there late (a stand-in approval, then its capture and its settlement days later).
@@ -48,9 +48,18 @@ def moved_from(
             record = store.get(tenant, operation_id)
         except (OperationNotFound, CorruptRecord):
             continue  # gone, or unreadable: what names it stays unmatched, listed
-        route = record.route or {}
-        key = key_at(route, provider)
-        there = (provider, key) in touched(route) or provider in (route.get("skipped") or ())
-        if key is not None and key in wanted and there:
+        key = key_at(record.route or {}, provider)
+        if key is not None and key in wanted and left_here(record, provider):
             found.setdefault(key, []).append(record)
     return found
+
+
+def left_here(record: OperationRecord, provider: str) -> bool:
+    """Whether routed ``record`` sent an attempt to ``provider`` other than the one it
+    stands at, or its route passed ``provider`` over: what that provider tells of the
+    namespace is about an attempt the operation left, never its own outcome."""
+    route = record.route
+    if not route or provider == record.provider:
+        return False
+    key = key_at(route, provider)
+    return (provider, key) in touched(route) or provider in (route.get("skipped") or ())

@@ -320,18 +320,7 @@ class WebhookHandler:
         evidence about that attempt."""
         key = event.downstream_key or ""
         reference = event.provider_reference
-        detail: dict[str, Any] = {
-            "event_id": event.event_id,
-            "event_type": event.event_type,
-            "outcome": event.outcome.value if event.outcome is not None else None,
-            "provider_reference": reference,
-            "attempt_at": provider,
-            "downstream_key": key,
-        }
-        if event.code is not None:
-            detail["code"] = event.code
-        if event.lifecycle is not None:
-            detail["lifecycle"] = event.lifecycle
+        detail = {**_event_detail(event), "attempt_at": provider, "downstream_key": key}
         # A success of the attempt's own kind: a capture or a refund reported under its
         # key (an operator's refund of the duplicate, say) is evidence, not more money.
         money = (
@@ -368,17 +357,7 @@ class WebhookHandler:
         return result
 
     def _apply(self, inbox: _Inbox, event: WebhookEvent, record: OperationRecord) -> WebhookResult:
-        detail: dict[str, Any] = {
-            "event_id": event.event_id,
-            "event_type": event.event_type,
-            "outcome": event.outcome.value if event.outcome is not None else None,
-            "provider_reference": event.provider_reference,
-        }
-        if event.code is not None:
-            detail["code"] = event.code
-        if event.lifecycle is not None:
-            # What became of the effect afterwards (e.g. a released authorisation).
-            detail["lifecycle"] = event.lifecycle
+        detail = _event_detail(event)
         voiding = record.resolution == VOID_REQUESTED and not record.terminal
         # The hold released while a void of it was wanted (its confirmation, or a cancel that
         # raced it): the void's outcome, as a confirmed void settles it, never a success.
@@ -436,6 +415,22 @@ class WebhookHandler:
         )
         logs.transition(record, updated, "webhook", detail, logger=_log)
         return inbox.result(WebhookStatus.APPLIED, updated)
+
+
+def _event_detail(event: WebhookEvent) -> dict[str, Any]:
+    """The event as evidence on its operation's log."""
+    detail: dict[str, Any] = {
+        "event_id": event.event_id,
+        "event_type": event.event_type,
+        "outcome": event.outcome.value if event.outcome is not None else None,
+        "provider_reference": event.provider_reference,
+    }
+    if event.code is not None:
+        detail["code"] = event.code
+    if event.lifecycle is not None:
+        # What became of the effect afterwards (e.g. a released authorisation).
+        detail["lifecycle"] = event.lifecycle
+    return detail
 
 
 def _stored_body(event: WebhookEvent, record: OperationRecord | None) -> dict[str, Any] | None:
